@@ -1,0 +1,1 @@
+"""Runnable engines for pdproxy: the simulated vLLM engine lives in `engines.sim`."""

@@ -1,0 +1,93 @@
+"""Configuration of one simulated vLLM engine: every knob, frozen, with defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["prefill", "decode", "both"]
+ConnectorName = Literal["nixl", "example"]
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Faults the sim injects; all off by default. Settable at start and at run time."""
+
+    status: int | None = None  # answer every generation request with this HTTP status
+    hang: bool = False  # accept generation requests and never answer
+    close_after_tokens: int | None = None  # abort the TCP connection after N streamed tokens
+    refuse_connections: bool | float = False  # close the listener; a number restores it after N s
+    slow_start_s: float = 0.0  # /health answers 503 for N s after the fault is set
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Faults:
+        """Build from a JSON object; unknown keys raise ValueError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown fault(s): {sorted(unknown)}")
+        faults = cls(**data)
+        faults.validate()
+        return faults
+
+    def validate(self) -> None:
+        if self.status is not None and not 100 <= int(self.status) <= 599:
+            raise ValueError("status must be an HTTP status code")
+        if self.close_after_tokens is not None and int(self.close_after_tokens) < 0:
+            raise ValueError("close_after_tokens must be >= 0")
+        if float(self.slow_start_s) < 0:
+            raise ValueError("slow_start_s must be >= 0")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _engine_id() -> str:
+    return str(uuid.uuid4())
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """All knobs of one sim engine. `port=0` and `kv_port=0` pick free ports."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str = "sim-model"
+    max_model_len: int = 4096
+    role: Role = "both"
+    connector: ConnectorName = "nixl"
+    engine_id: str = field(default_factory=_engine_id)
+    kv_host: str = "127.0.0.1"  # reported as remote_host; the side channel binds here
+    kv_port: int = 0
+    kv_lease_s: float = 30.0
+    kv_dir: str | None = None  # shared storage directory for the example connector
+    block_size: int = 16
+    num_blocks: int = 4096
+    dp_size: int = 1
+    strict: bool = False
+    ttft_ms: float = 0.0
+    prefill_us_per_token: float = 0.0
+    decode_tps: float = 0.0
+    max_running: int = 256
+    prefix_cache_blocks: int = 8192  # capacity of the prefix cache, in blocks
+    keep_alive_s: float = 5.0  # idle keep-alive timeout, as VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    record_limit: int = 10000  # how many request records /sim/requests keeps
+    faults: Faults = field(default_factory=Faults)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, not {self.role!r}")
+        if self.block_size < 1 or self.num_blocks < 1 or self.dp_size < 1:
+            raise ValueError("block_size, num_blocks and dp_size must be >= 1")
+        if self.max_running < 1:
+            raise ValueError("max_running must be >= 1")
+        if self.connector == "example" and self.role != "both" and not self.kv_dir:
+            raise ValueError("the example connector needs kv_dir")
+        self.faults.validate()
+
+    @property
+    def instant(self) -> bool:
+        """True when no timing knob asks for a delay (requests may be served inline)."""
+        return self.ttft_ms <= 0 and self.prefill_us_per_token <= 0 and self.decode_tps <= 0

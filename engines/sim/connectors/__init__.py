@@ -1,0 +1,70 @@
+"""KV connectors of the sim, one module per connector, chosen by name.
+
+A connector sees each request twice: before prefill (`must_fetch`/`fetch` for a remote pull,
+`load_now` for a local load) and after generation (`finished`, which may hold or store the KV
+and returns the kv_transfer_params for the response). Id-embedding connectors (MoRIIO,
+P2P-NCCL, Mooncake) can address transfers by `req.response_id`/`transfer_id` in the same shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engines.sim.config import SimConfig
+from engines.sim.kvstore import BlockPool
+from engines.sim.metrics import Counters
+from engines.sim.openai_api import GenRequest
+
+CONNECTORS: dict[str, str] = {
+    "nixl": "engines.sim.connectors.nixl:NixlConnector",
+    "example": "engines.sim.connectors.example:ExampleConnector",
+}
+
+
+@dataclass(frozen=True)
+class ConnectorDeps:
+    """What a connector may touch: the config, the counters and the block pool."""
+
+    config: SimConfig
+    counters: Counters
+    pool: BlockPool
+
+
+class Connector(Protocol):
+    kv_port: int
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def held_blocks(self) -> int: ...
+
+    def must_fetch(self, req: GenRequest) -> bool:
+        """True when KV must be pulled over the network before prefill."""
+        ...
+
+    async def fetch(self, req: GenRequest) -> list[bytes] | None:
+        """Pull the request's KV (per-token entries), or None to recompute locally."""
+        ...
+
+    def load_now(self, req: GenRequest) -> list[bytes] | None:
+        """Load KV without waiting (e.g. from shared storage), or None."""
+        ...
+
+    def finished(self, req: GenRequest, kv: Sequence[bytes]) -> dict[str, Any] | None:
+        """Hold or store the KV of a finished request; return kv_transfer_params or None."""
+        ...
+
+
+def create(deps: ConnectorDeps) -> Connector:
+    """Build the connector named by deps.config.connector."""
+    target = CONNECTORS.get(deps.config.connector)
+    if target is None:
+        raise ValueError(f"unknown connector {deps.config.connector!r}; known: {sorted(CONNECTORS)}")
+    module, _, cls = target.partition(":")
+    factory: Any = getattr(importlib.import_module(module), cls)
+    connector: Connector = factory(deps)
+    return connector

@@ -1,0 +1,37 @@
+"""Errors in vLLM's own JSON shape, so clients see one error format."""
+
+from __future__ import annotations
+
+import orjson
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "UnauthorizedError",
+    403: "ForbiddenError",
+    404: "NotFoundError",
+    429: "TooManyRequestsError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client as vLLM's ErrorResponse."""
+
+    def __init__(self, status: int, message: str, err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type or _TYPES.get(status, "InternalServerError")
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, self.err_type)
+
+
+def error_body(status: int, message: str, err_type: str | None = None) -> bytes:
+    """`{"error": {"message", "type", "param", "code"}}` as vLLM's ErrorResponse."""
+    kind = err_type or _TYPES.get(status, "InternalServerError")
+    return orjson.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    )

@@ -1,0 +1,94 @@
+"""The deterministic model: tokenizer, KV per token, and decode as a function of the KV.
+
+Each prompt token's KV entry is a digest chained over the previous entry, so the last entry
+stands for the whole prefix. Decode continues the chain from the KV it holds: a decode that
+was handed another request's KV produces different words.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator, Sequence
+
+KV_BYTES_PER_TOKEN = 32
+_SEED = b"pdproxy-sim-kv-v1"
+_WORD_RE = re.compile(r"\w+|[^\w\s]")
+
+VOCAB: tuple[str, ...] = tuple(
+    """alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november
+    oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu red orange
+    yellow green blue indigo violet amber black white silver gold copper iron stone river
+    mountain valley forest desert ocean island harbor bridge tower garden meadow canyon glacier
+    thunder rain snow wind cloud storm sun moon star comet planet orbit rocket engine signal
+    packet socket stream buffer kernel thread cache block token prefill decode proxy""".split()
+)
+
+
+def token_id(word: str) -> int:
+    """A stable id for one word (not Python's salted hash)."""
+    digest = hashlib.blake2b(word.encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def tokenize(text: str) -> list[int]:
+    """Split into words and punctuation; each piece is one token."""
+    return [token_id(w) for w in _WORD_RE.findall(text)]
+
+
+def _step(prev: bytes, tok: int) -> bytes:
+    return hashlib.blake2b(prev + tok.to_bytes(4, "big"), digest_size=KV_BYTES_PER_TOKEN).digest()
+
+
+def extend_kv(kv: list[bytes], tokens: Sequence[int], start: int) -> list[bytes]:
+    """Compute KV entries for tokens[start:], chained after kv[start-1]; mutates and returns kv."""
+    prev = kv[start - 1] if start > 0 else _SEED
+    del kv[start:]
+    for tok in tokens[start:]:
+        prev = _step(prev, tok)
+        kv.append(prev)
+    return kv
+
+
+def compute_kv(tokens: Sequence[int]) -> list[bytes]:
+    return extend_kv([], tokens, 0)
+
+
+def decode_words(last_kv: bytes) -> Iterator[str]:
+    """The endless stream of generated words after a prompt whose last KV entry is last_kv."""
+    state = last_kv
+    while True:
+        word = VOCAB[int.from_bytes(state[:4], "big") % len(VOCAB)]
+        yield word
+        state = hashlib.blake2b(state + word.encode(), digest_size=KV_BYTES_PER_TOKEN).digest()
+
+
+def pack_blocks(kv: Sequence[bytes], block_size: int) -> list[bytes]:
+    """Group per-token KV entries into blocks of block_size tokens (the last may be partial)."""
+    return [b"".join(kv[i : i + block_size]) for i in range(0, len(kv), block_size)]
+
+
+def unpack_blocks(blocks: Sequence[bytes]) -> list[bytes]:
+    data = b"".join(blocks)
+    n = KV_BYTES_PER_TOKEN
+    return [data[i : i + n] for i in range(0, len(data) - len(data) % n, n)]
+
+
+def render_chat(messages: Sequence[dict[str, object]]) -> str:
+    """A ChatML-like template with the assistant turn opened."""
+    parts = []
+    for msg in messages:
+        parts.append(f"<|im_start|>{msg.get('role', 'user')}\n{_content_text(msg)}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def _content_text(msg: dict[str, object]) -> str:
+    content = msg.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    raise ValueError("message content must be a string or a list of parts")

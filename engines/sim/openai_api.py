@@ -1,0 +1,162 @@
+"""Parse OpenAI requests the way vLLM reads them, and render vLLM's response shapes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from engines.sim import model
+from engines.sim.errors import ApiError
+
+Kind = Literal["completion", "chat"]
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+KIND_BY_PATH: dict[str, Kind] = {COMPLETIONS_PATH: "completion", CHAT_PATH: "chat"}
+
+
+@dataclass
+class GenRequest:
+    """One parsed generation request."""
+
+    kind: Kind
+    body: dict[str, Any]
+    model: str
+    prompt_tokens: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    response_id: str
+    internal_id: str
+    kv_transfer_params: dict[str, Any] | None
+    dp_rank: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse(
+    kind: Kind, raw: bytes, headers: dict[str, str], served_model: str,
+    max_model_len: int, dp_size: int,
+) -> GenRequest:
+    """Validate a request body and headers; raises ApiError as vLLM would answer."""
+    body = _load_json(raw)
+    name = body.get("model")
+    if name is not None and name != served_model:
+        raise ApiError(404, f"The model `{name}` does not exist.")
+    dp_rank = _dp_rank(headers, dp_size)
+    tokens = _prompt_tokens(kind, body)
+    base = headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
+    prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    resp_id = f"{prefix}-{base}"
+    suffix = uuid.uuid4().hex[:8]
+    internal = f"{resp_id}-0-{suffix}" if kind == "completion" else f"{resp_id}-{suffix}"
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise ApiError(400, "stream_options must be an object")
+    kvp = body.get("kv_transfer_params")
+    if kvp is not None and not isinstance(kvp, dict):
+        raise ApiError(400, "kv_transfer_params must be an object")
+    return GenRequest(
+        kind=kind, body=body, model=served_model, prompt_tokens=tokens,
+        max_tokens=_max_tokens(kind, body, len(tokens), max_model_len),
+        stream=stream, include_usage=stream and bool(opts.get("include_usage")),
+        stop=_stop(body), response_id=resp_id, internal_id=internal,
+        kv_transfer_params=kvp, dp_rank=dp_rank,
+    )
+
+
+def _load_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"JSON decode error: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "Input should be a valid dictionary or object to extract fields from")
+    return body
+
+
+def _dp_rank(headers: dict[str, str], dp_size: int) -> int | None:
+    raw = headers.get("x-data-parallel-rank")
+    if raw is None:
+        return None
+    try:
+        rank = int(raw)
+    except ValueError:
+        return None  # vLLM silently ignores a non-int rank
+    if not 0 <= rank < dp_size:
+        raise ApiError(400, f"data_parallel_rank {rank} is out of range [0, {dp_size}).")
+    return rank
+
+
+def _prompt_tokens(kind: Kind, body: dict[str, Any]) -> list[int]:
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages: Field required (a non-empty list)")
+        if not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "messages: each message must be an object")
+        try:
+            return model.tokenize(model.render_chat(messages))
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+    return _completion_prompt(body.get("prompt"))
+
+
+def _completion_prompt(prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        tokens = model.tokenize(prompt)
+    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        tokens = list(prompt)
+    elif prompt is None:
+        raise ApiError(400, "prompt: Field required")
+    else:
+        raise ApiError(400, "prompt must be a string, a list of token ids, or one of those in a list")
+    if not tokens:
+        raise ApiError(400, "The prompt cannot be empty.")
+    return tokens
+
+
+def _max_tokens(kind: Kind, body: dict[str, Any], n_prompt: int, max_model_len: int) -> int:
+    value = body.get("max_completion_tokens") if kind == "chat" else None
+    if value is None:
+        value = body.get("max_tokens")
+    room = max_model_len - n_prompt
+    if room <= 0 or (value is not None and type(value) is int and value > room):
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {n_prompt + (value or 0)} tokens ({n_prompt} in the messages, "
+            f"{value or 0} in the completion). Please reduce the length of the messages or "
+            "completion.",
+        )
+    if value is None:
+        return room
+    if type(value) is not int or value < 1:
+        raise ApiError(400, "max_tokens must be at least 1, got %r." % (value,))
+    return value
+
+
+def _bool(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{key}: Input should be a valid boolean")
+    return value
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise ApiError(400, "stop must be a string or a list of strings")

@@ -1,0 +1,113 @@
+"""vLLM's response bodies and SSE chunks for completions and chat."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from engines.sim.openai_api import GenRequest
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a finished generation produced."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str
+    stop_reason: str | None
+    cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+
+
+def usage(req: GenRequest, out: Outcome) -> dict[str, Any]:
+    n = len(req.prompt_tokens)
+    return {
+        "prompt_tokens": n,
+        "total_tokens": n + out.completion_tokens,
+        "completion_tokens": out.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+    }
+
+
+def full_body(req: GenRequest, out: Outcome) -> bytes:
+    """The non-streaming response."""
+    if req.kind == "completion":
+        choice: dict[str, Any] = {
+            "index": 0, "text": out.text, "logprobs": None,
+            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+            "prompt_logprobs": None,
+        }
+        obj = "text_completion"
+    else:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": out.text, "refusal": None,
+                        "annotations": None, "audio": None, "function_call": None,
+                        "tool_calls": [], "reasoning_content": None},
+            "logprobs": None, "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+        }
+        obj = "chat.completion"
+    return orjson.dumps({
+        "id": req.response_id, "object": obj, "created": req.created, "model": req.model,
+        "choices": [choice], "service_tier": None, "system_fingerprint": None,
+        "usage": usage(req, out), "prompt_logprobs": None,
+        "kv_transfer_params": out.kv_transfer_params,
+    })
+
+
+def _chunk(req: GenRequest, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
+    data = {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
+            "choices": choices, **extra}
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def role_chunk(req: GenRequest) -> bytes:
+    """Chat's first chunk, announcing the assistant role (completions have none)."""
+    delta = {"role": "assistant", "content": ""}
+    return _chunk(req, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+
+def token_chunk(
+    req: GenRequest, text: str, finish: str | None = None, stop_reason: str | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> bytes:
+    """One streamed token; the last one carries finish_reason (and P's kv_transfer_params)."""
+    if req.kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                                  "finish_reason": finish, "stop_reason": stop_reason}
+    else:
+        choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                  "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+    if finish is not None and kv_transfer_params is not None:
+        return _chunk(req, [choice], kv_transfer_params=kv_transfer_params)
+    return _chunk(req, [choice])
+
+
+def usage_chunk(req: GenRequest, out: Outcome) -> bytes:
+    """The final `choices: []` chunk sent when stream_options.include_usage is set."""
+    return _chunk(req, [], usage=usage(req, out))
+
+
+def stream_all(req: GenRequest, pieces: list[str], out: Outcome) -> bytes:
+    """A whole SSE body at once (used when the engine needs no delays)."""
+    parts = [role_chunk(req)] if req.kind == "chat" else []
+    last = len(pieces) - 1
+    for i, piece in enumerate(pieces):
+        if i == last:
+            parts.append(token_chunk(req, piece, out.finish_reason, out.stop_reason,
+                                     out.kv_transfer_params))
+        else:
+            parts.append(token_chunk(req, piece))
+    if req.include_usage:
+        parts.append(usage_chunk(req, out))
+    parts.append(DONE)
+    return b"".join(parts)

@@ -1,0 +1,78 @@
+"""Read-only endpoints: liveness, the vLLM-demo-compatible status, models, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import ORJSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdproxy.api.state import AppState
+from pdproxy.errors import UpstreamError
+from pdproxy.types import Endpoint, Role
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+def _state(request: Request) -> AppState:
+    state: AppState = request.app.state.pdproxy
+    return state
+
+
+@router.get("/health")
+async def health() -> Response:
+    """Liveness: the proxy process serves HTTP."""
+    return Response(status_code=200)
+
+
+@router.get("/status")
+async def status(request: Request) -> ORJSONResponse:
+    """Same keys as vLLM's disagg_proxy_demo.py, plus per-instance detail."""
+    endpoints = _state(request).registry.all()
+    prefill = [e.address.host_port for e in endpoints if e.role is Role.PREFILL]
+    decode = [e.address.host_port for e in endpoints if e.role is Role.DECODE]
+    return ORJSONResponse(
+        {
+            "prefill_node_count": len(prefill),
+            "decode_node_count": len(decode),
+            "prefill_nodes": prefill,
+            "decode_nodes": decode,
+        }
+    )
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> ORJSONResponse:
+    """The union of the models the instances serve; an instance that fails is skipped."""
+    state = _state(request)
+    endpoints = [e for e in state.registry.all() if e.routable]
+    answers = await asyncio.gather(*(_models_of(state, e) for e in endpoints))
+    by_id: dict[str, dict[str, Any]] = {}
+    for cards in answers:
+        for card in cards:
+            by_id.setdefault(card["id"], card)
+    return ORJSONResponse({"object": "list", "data": list(by_id.values())})
+
+
+async def _models_of(state: AppState, endpoint: Endpoint) -> list[dict[str, Any]]:
+    try:
+        answer = await state.client.get_json(endpoint.url + "/v1/models")
+    except (UpstreamError, ValueError):
+        logger.warning("could not list models of %s", endpoint.url)
+        return []
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)]
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(
+        generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )

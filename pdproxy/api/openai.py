@@ -1,0 +1,169 @@
+"""The OpenAI generation endpoints as raw ASGI handlers (the hot path).
+
+They skip FastAPI's dependency machinery: the body is read once with a size cap, parsed
+once with orjson, and the orchestrator's response is streamed straight into ``send``. A
+client disconnect cancels the work (vLLM's ``with_cancellation`` pattern), which closes
+both upstream legs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from starlette.types import Message, Receive, Scope, Send
+
+from pdproxy.api.errors import JSON, error_body, internal_error
+from pdproxy.api.state import AppState
+from pdproxy.errors import BadRequest, PayloadTooLarge, ProxyError, UnsupportedMediaType
+from pdproxy.orchestrator import ClientRequest, ProxyResponse
+from pdproxy.shaping import MESSAGES, MODEL, PROMPT
+from pdproxy.types import ApiKind
+
+logger = logging.getLogger(__name__)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
+_REQUIRED = {ApiKind.COMPLETIONS: PROMPT, ApiKind.CHAT: MESSAGES}
+
+
+class GenerationEndpoint:
+    """``POST /v1/completions`` or ``/v1/chat/completions``."""
+
+    def __init__(self, kind: ApiKind) -> None:
+        self.kind = kind
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state: AppState = scope["app"].state.pdproxy
+        state.metrics.in_flight.inc()
+        outcome = "error"
+        try:
+            request = await self._read_request(scope, receive, state.config.max_body_bytes)
+            outcome = await _serve(state, request, receive, send)
+        except ProxyError as error:
+            outcome = _outcome(error)
+            await _send_whole(send, *error_body(error))
+        except _ClientGone:
+            outcome = "client_disconnected"
+        finally:
+            state.metrics.in_flight.dec()
+            state.metrics.requests.labels(self.kind.value, outcome).inc()
+
+    async def _read_request(self, scope: Scope, receive: Receive, limit: int) -> ClientRequest:
+        headers = _headers(scope)
+        content_type = headers.get("content-type", "")
+        if content_type.split(";", 1)[0].strip().lower() != JSON:
+            raise UnsupportedMediaType("Content-Type must be application/json")
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        body = _parse_body(await _read_body(receive, limit), self.kind)
+        return ClientRequest(
+            self.kind, body, headers.get("x-request-id"), headers.get("authorization")
+        )
+
+
+async def _serve(state: AppState, request: ClientRequest, receive: Receive, send: Send) -> str:
+    """Run the request, cancelling it if the client goes away; returns the outcome label."""
+    task = asyncio.current_task()
+    disconnected = asyncio.Event()
+    watcher = asyncio.create_task(_watch_disconnect(receive, task, disconnected))
+    try:
+        response = await state.orchestrator.handle(request)
+        await _send_response(send, response)
+        return "ok"
+    except asyncio.CancelledError:
+        if not disconnected.is_set():
+            raise
+        if task is not None:
+            task.uncancel()
+        return "client_disconnected"
+    except ProxyError as error:
+        await _send_whole(send, *error_body(error))
+        return _outcome(error)
+    except Exception:
+        logger.exception("unexpected failure serving %s", request.kind.value)
+        await _send_whole(send, *error_body(internal_error()))
+        return "error"
+    finally:
+        watcher.cancel()
+
+
+async def _watch_disconnect(
+    receive: Receive, task: asyncio.Task[Any] | None, disconnected: asyncio.Event
+) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    disconnected.set()
+    if task is not None:
+        task.cancel()
+
+
+async def _send_response(send: Send, response: ProxyResponse) -> None:
+    headers = [
+        (b"content-type", response.content_type.encode("latin-1")),
+        (b"x-request-id", response.request_id.encode("latin-1")),
+    ]
+    if response.stream is None:
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await send({"type": "http.response.body", "body": response.body})
+        return
+    headers.append((b"cache-control", b"no-cache"))
+    try:
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        async for chunk in response.stream:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    finally:
+        response.stream.close()
+
+
+async def _send_whole(send: Send, status: int, body: bytes, content_type: str) -> None:
+    headers = [(b"content-type", content_type.encode("latin-1"))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _parse_body(raw: bytes, kind: ApiKind) -> Mapping[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"invalid JSON body: {exc.msg}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if not isinstance(body.get(MODEL), str) or not body[MODEL]:
+        raise BadRequest("'model' is required", param=MODEL)
+    required = _REQUIRED[kind]
+    if required not in body or body[required] in (None, "", []):
+        raise BadRequest(f"'{required}' is required", param=required)
+    return body
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def _outcome(error: ProxyError) -> str:
+    return type(error).__name__

@@ -1,0 +1,20 @@
+"""The one typed object the app keeps on ``app.state``; built by ``create_app``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdproxy.config import ProxyConfig
+from pdproxy.engine_client import EngineClient
+from pdproxy.metrics import ProxyMetrics
+from pdproxy.orchestrator import Orchestrator
+from pdproxy.registry import EndpointRegistry
+
+
+@dataclass(slots=True)
+class AppState:
+    config: ProxyConfig
+    registry: EndpointRegistry
+    client: EngineClient
+    metrics: ProxyMetrics
+    orchestrator: Orchestrator

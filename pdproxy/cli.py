@@ -1,0 +1,194 @@
+"""argv and ``PDPROXY_*`` environment → ``ProxyConfig`` → uvicorn. Nothing else.
+
+Every flag can also be set from the environment: ``--kv-connector`` is
+``PDPROXY_KV_CONNECTOR``; list flags take space- or comma-separated values. Flags win over
+the environment. Invalid input exits with status 2 and one clear line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pdproxy.config import (
+    KV_CONNECTORS,
+    PoolLimits,
+    ProxyConfig,
+    RegistryConfig,
+    Timeouts,
+    parse_engine_url,
+)
+from pdproxy.errors import ConfigError
+from pdproxy.log import configure_logging
+from pdproxy.types import EngineAddress
+
+ENV_PREFIX = "PDPROXY_"
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdproxy",
+        description="Prefill/decode disaggregation proxy for vLLM. Every flag can also be set "
+        "as a PDPROXY_* environment variable (e.g. PDPROXY_KV_CONNECTOR=nixl).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+        help="Prefill instance(s), as host:port or http(s)://host:port.",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+        help="Decode instance(s), as host:port or http(s)://host:port.",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="Address the proxy listens on.")
+    p.add_argument("--port", type=int, default=8000, help="Port the proxy listens on.")
+    p.add_argument(
+        "--kv-connector",
+        default="nixl",
+        choices=sorted(KV_CONNECTORS),
+        help="The engines' KV connector, which fixes how the two legs are shaped.",
+    )
+    p.add_argument("--model", default=None, help="Only route to instances that serve this model.")
+    p.add_argument(
+        "--max-body-bytes",
+        "--max-payload-size",
+        dest="max_body_bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="Largest request body accepted; larger ones get 413.",
+    )
+    p.add_argument(
+        "--connect-timeout-secs",
+        type=float,
+        default=5.0,
+        help="Seconds to wait for a TCP connection to an engine.",
+    )
+    p.add_argument(
+        "--request-timeout-secs",
+        type=float,
+        default=600.0,
+        help="Seconds an engine may stay silent (before its answer or between two chunks).",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        help="Cap on upstream connections in total (0 = no cap).",
+    )
+    p.add_argument(
+        "--max-connections-per-host",
+        type=int,
+        default=0,
+        help="Cap on upstream connections per engine (0 = no cap).",
+    )
+    p.add_argument(
+        "--keepalive-expiry-secs",
+        type=float,
+        default=4.0,
+        help="Idle pooled connections are closed after this, below vLLM's 5 s keep-alive.",
+    )
+    p.add_argument("--log-level", default="info", choices=_LOG_LEVELS, help="Logging level.")
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="Log one line per HTTP request (costs CPU per request).",
+    )
+    return p
+
+
+def _apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """Turn PDPROXY_* variables into parser defaults, so flags still override them."""
+    defaults: dict[str, Any] = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        raw = environ.get(ENV_PREFIX + action.dest.upper())
+        if raw is None:
+            continue
+        if action.nargs == "+":
+            defaults[action.dest] = raw.replace(",", " ").split()
+        elif action.const is True:
+            defaults[action.dest] = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                defaults[action.dest] = action.type(raw) if callable(action.type) else raw
+            except ValueError:
+                parser.error(f"{ENV_PREFIX}{action.dest.upper()}={raw!r} is not valid")
+            if action.choices is not None and defaults[action.dest] not in action.choices:
+                parser.error(
+                    f"{ENV_PREFIX}{action.dest.upper()} must be one of {sorted(action.choices)}"
+                )
+    parser.set_defaults(**defaults)
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """Build and validate the config; raises ``ConfigError`` with a one-line reason."""
+    return ProxyConfig(
+        host=args.host,
+        port=args.port,
+        prefill=tuple(EngineAddress(url=parse_engine_url(u)) for u in args.prefill or ()),
+        decode=tuple(EngineAddress(url=parse_engine_url(u)) for u in args.decode or ()),
+        kv_connector=args.kv_connector,
+        model=args.model,
+        max_body_bytes=args.max_body_bytes,
+        timeouts=Timeouts(connect=args.connect_timeout_secs, read=args.request_timeout_secs),
+        pool=PoolLimits(
+            max_connections=args.max_connections,
+            max_connections_per_host=args.max_connections_per_host,
+            keepalive_expiry=args.keepalive_expiry_secs,
+        ),
+        registry=RegistryConfig(),
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ProxyConfig:
+    parser = build_parser()
+    _apply_env(parser, os.environ if environ is None else environ)
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    raise AssertionError("unreachable")  # parser.error exits
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import uvicorn
+
+    from pdproxy.api.app import create_app
+
+    config = parse_config(argv)
+    configure_logging(config.log_level)
+    logging.getLogger(__name__).info(
+        "pdproxy on %s:%d, connector %s, %d prefill, %d decode",
+        config.host,
+        config.port,
+        config.kv_connector,
+        len(config.prefill),
+        len(config.decode),
+    )
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        loop="uvloop" if sys.platform != "win32" else "asyncio",
+        http="httptools",
+        log_level=config.log_level,
+        access_log=config.access_log,
+        log_config=None,
+    )

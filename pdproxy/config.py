@@ -1,0 +1,171 @@
+"""Frozen, validated-once configuration. No I/O here."""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from pdproxy.errors import ConfigError
+from pdproxy.types import EngineAddress
+
+# KV connector name -> "module:Class" (uvicorn's name tables). A new transfer mode is one
+# module under pdproxy/connectors/ plus one line here.
+KV_CONNECTORS = MappingProxyType(
+    {
+        "nixl": "pdproxy.connectors.nixl:NixlConnector",
+        "example": "pdproxy.connectors.example:ExampleConnector",
+    }
+)
+
+
+def import_from_string(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 as ``[::1]:port``) and validate both parts."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ConfigError(f"{text!r} is not host:port")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"port {port} in {text!r} is outside 1-65535")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        _check_ip(host, text, version=6)
+    elif not _is_ip(host) and not _HOSTNAME_RE.match(host):
+        raise ConfigError(f"{host!r} in {text!r} is not a host name or IP address")
+    return host, port
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_ip(host: str, text: str, *, version: int) -> None:
+    try:
+        ok = ipaddress.ip_address(host).version == version
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{host!r} in {text!r} is not an IPv{version} address")
+
+
+def format_url(scheme: str, host: str, port: int) -> str:
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
+
+
+def parse_engine_url(text: str) -> str:
+    """Normalise ``host:port`` or ``http(s)://host:port`` to ``scheme://host:port``."""
+    scheme, sep, rest = text.strip().partition("://")
+    if not sep:
+        scheme, rest = "http", text.strip()
+    if scheme not in ("http", "https"):
+        raise ConfigError(f"{text!r}: scheme must be http or https")
+    rest = rest.rstrip("/")
+    if "/" in rest:
+        raise ConfigError(f"{text!r}: give host:port only, without a path")
+    host, port = parse_host_port(rest)
+    return format_url(scheme, host, port)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timeouts:
+    """Seconds; ``read`` bounds the silence between two upstream chunks, not a whole stream."""
+
+    connect: float = 5.0
+    read: float = 600.0
+    probe: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "read", "probe"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"timeout {name} must be positive")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolLimits:
+    """Upstream connection pool; 0 means no cap (aiohttp's default of 100 would queue streams).
+
+    ``keepalive_expiry`` stays below vLLM's 5 s uvicorn keep-alive so the proxy never writes
+    into a socket the engine is closing.
+    """
+
+    max_connections: int = 0
+    max_connections_per_host: int = 0
+    keepalive_expiry: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 0 or self.max_connections_per_host < 0:
+            raise ConfigError("connection limits must be >= 0")
+        if not 0 < self.keepalive_expiry < 5:
+            raise ConfigError("keepalive expiry must be in (0, 5) s, below vLLM's keep-alive")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistryConfig:
+    """The ZMQ registration socket; ``port=None`` keeps it off."""
+
+    port: int | None = None
+    host: str = "0.0.0.0"
+    ttl: float = 5.0
+    sweep_interval: float = 1.0
+    max_message_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 1 <= self.port <= 65535:
+            raise ConfigError("registry port must be in 1-65535")
+        if self.ttl <= 0 or self.sweep_interval <= 0:
+            raise ConfigError("registry ttl and sweep interval must be positive")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProxyConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    prefill: tuple[EngineAddress, ...] = ()
+    decode: tuple[EngineAddress, ...] = ()
+    kv_connector: str = "nixl"
+    model: str | None = None
+    transfer_mode: str | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    pool: PoolLimits = field(default_factory=PoolLimits)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    admin_api_key: str | None = field(default=None, repr=False)
+    admin_allow_cidrs: tuple[str, ...] = ()
+    log_level: str = "info"
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            names = ", ".join(sorted(KV_CONNECTORS))
+            raise ConfigError(f"unknown --kv-connector {self.kv_connector!r}; choose from {names}")
+        if self.registry.port is None and not (self.prefill and self.decode):
+            raise ConfigError("give at least one --prefill and one --decode (or --registry-port)")
+        if self.max_body_bytes <= 0:
+            raise ConfigError("--max-body-bytes must be positive")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("--port must be in 0-65535")
+        for cidr in self.admin_allow_cidrs:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError as exc:
+                raise ConfigError(f"--admin-allow-cidr {cidr!r} is not a CIDR") from exc

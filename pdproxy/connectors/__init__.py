@@ -1,0 +1,59 @@
+"""KV connector adapters: how each vLLM KV connector wants the two legs shaped.
+
+An adapter is pure policy: it turns the client's body and the scheduler's decision into
+the prefill and decode bodies, and says whether the legs run one after the other
+(``concurrent = False``: P must finish before D starts) or together. It never does I/O.
+
+Adapters are chosen by name through ``pdproxy.config.KV_CONNECTORS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdproxy.config import KV_CONNECTORS, ProxyConfig, import_from_string
+from pdproxy.errors import ConfigError
+from pdproxy.shaping import JSONBody
+from pdproxy.types import PairDecision
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Per-request transfer identity, shared by both legs."""
+
+    decision: PairDecision
+    request_id: str
+    transfer_id: str | None = None
+
+
+class KVConnector(Protocol):
+    #: True when P and D must be sent at the same time (push / WRITE transfers).
+    concurrent: bool
+
+    def begin(self, decision: PairDecision, client_request_id: str | None) -> Transfer:
+        """Fix the request id (and any transfer id) that both legs carry."""
+        ...
+
+    def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
+        """The body for P: clamped to one token, with this connector's params."""
+        ...
+
+    def decode_body(
+        self,
+        original: Mapping[str, Any],
+        transfer: Transfer,
+        prefill_response: Mapping[str, Any] | None,
+    ) -> JSONBody:
+        """The body for D; ``prefill_response`` is P's JSON answer in serial mode, else None."""
+        ...
+
+
+def load_connector(config: ProxyConfig) -> KVConnector:
+    try:
+        factory = import_from_string(KV_CONNECTORS[config.kv_connector])
+    except KeyError as exc:
+        raise ConfigError(f"unknown kv connector {config.kv_connector!r}") from exc
+    connector: KVConnector = factory.from_config(config)
+    return connector

@@ -1,0 +1,140 @@
+"""The only module that imports aiohttp: pooled HTTP to the engines.
+
+One ``ClientSession`` for the request legs and one small one for probes, both created in the
+app's lifespan. aiohttp's exceptions are mapped here to ``pdproxy.errors`` (httpx's
+``map_httpcore_exceptions`` pattern) so nothing above this module sees aiohttp. The mapping
+keeps retry-safety apart: ``UpstreamConnectError`` means nothing reached the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from pdproxy.config import PoolLimits, Timeouts
+from pdproxy.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+
+_PROBE_CONNECTIONS = 16
+
+
+@contextlib.contextmanager
+def _mapped_errors(leg: str, url: str) -> Iterator[None]:
+    """Translate aiohttp/asyncio failures into the most specific pdproxy error."""
+    try:
+        yield
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        raise UpstreamConnectError(f"cannot connect to {leg} engine {url}", leg=leg) from exc
+    except (aiohttp.SocketTimeoutError, asyncio.TimeoutError) as exc:
+        raise UpstreamTimeout(f"{leg} engine {url} did not answer in time", leg=leg) from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamProtocolError(
+            f"{leg} engine {url} broke the connection ({type(exc).__name__})", leg=leg
+        ) from exc
+
+
+@dataclass(slots=True)
+class UpstreamResponse:
+    """An engine's answer whose headers have arrived. The caller must ``close()`` it."""
+
+    status: int
+    content_type: str
+    leg: str
+    url: str
+    _response: aiohttp.ClientResponse
+
+    async def read(self) -> bytes:
+        with _mapped_errors(self.leg, self.url):
+            return await self._response.read()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, chunk by chunk, without parsing it."""
+        content = self._response.content
+        with _mapped_errors(self.leg, self.url):
+            async for chunk in content.iter_any():
+                yield chunk
+
+    def close(self) -> None:
+        """Drop the connection if the body was not fully read: vLLM then aborts the request."""
+        self._response.close()
+
+
+class EngineClient:
+    def __init__(self, timeouts: Timeouts, pool: PoolLimits) -> None:
+        self._timeouts = timeouts
+        self._pool = pool
+        self._session: aiohttp.ClientSession | None = None
+        self._probe_session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        legs = aiohttp.TCPConnector(
+            limit=self._pool.max_connections,
+            limit_per_host=self._pool.max_connections_per_host,
+            keepalive_timeout=self._pool.keepalive_expiry,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=legs,
+            # No total timeout: a stream lasts as long as the engine generates.
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self._timeouts.connect, sock_read=self._timeouts.read
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        probes = aiohttp.TCPConnector(
+            limit=_PROBE_CONNECTIONS, keepalive_timeout=self._pool.keepalive_expiry
+        )
+        self._probe_session = aiohttp.ClientSession(
+            connector=probes, timeout=aiohttp.ClientTimeout(total=self._timeouts.probe)
+        )
+
+    async def aclose(self) -> None:
+        for session in (self._session, self._probe_session):
+            if session is not None:
+                await session.close()
+        self._session = self._probe_session = None
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], *, leg: str
+    ) -> UpstreamResponse:
+        """POST and wait for the response headers; the body is left to the caller."""
+        session = self._require(self._session)
+        with _mapped_errors(leg, url):
+            response = await session.post(url, data=body, headers=headers)
+        content_type = response.headers.get("Content-Type", "application/json")
+        return UpstreamResponse(response.status, content_type, leg, url, response)
+
+    async def post_read(
+        self, url: str, body: bytes, headers: Mapping[str, str], *, leg: str
+    ) -> tuple[UpstreamResponse, bytes]:
+        """POST and read the whole answer; the connection is released on every path."""
+        upstream = await self.post(url, body, headers, leg=leg)
+        try:
+            return upstream, await upstream.read()
+        finally:
+            upstream.close()
+
+    async def get_json(self, url: str) -> Any:
+        """A probe (``/v1/models``, ``/health``): short timeout, its own pool."""
+        session = self._require(self._probe_session)
+        with _mapped_errors("probe", url):
+            async with session.get(url) as response:
+                if response.status != 200:
+                    raise UpstreamError(f"{url} answered HTTP {response.status}", leg="probe")
+                return orjson.loads(await response.read())
+
+    @staticmethod
+    def _require(session: aiohttp.ClientSession | None) -> aiohttp.ClientSession:
+        if session is None:
+            raise RuntimeError("EngineClient used before start() or after aclose()")
+        return session

@@ -1,0 +1,98 @@
+"""pdproxy's error tree; every error that leaves the proxy is OpenAI-shaped JSON.
+
+    ProxyError                      any failure the proxy reports to a client
+    ├── BadRequest            400   the client's body or headers are unusable
+    │   ├── UnsupportedMediaType 415
+    │   └── PayloadTooLarge   413
+    ├── NoEndpointAvailable   503   no routable prefill or decode instance
+    ├── UpstreamError               an engine leg failed
+    │   ├── UpstreamConnectError 503  could not connect; nothing was sent (retry-safe)
+    │   ├── UpstreamTimeout   504   no answer in time; the request may have run
+    │   ├── UpstreamProtocolError 502  broken or truncated answer
+    │   └── UpstreamStatusError  (engine status)  the engine answered non-2xx
+    └── ConfigError                 invalid configuration (never reaches a client)
+
+``UpstreamStatusError`` carries the engine's own status and body so the client sees
+exactly what the engine said.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class ProxyError(Exception):
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "InternalServerError"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+class BadRequest(ProxyError):
+    status = 400
+    error_type = "BadRequestError"
+
+
+class UnsupportedMediaType(BadRequest):
+    status = 415
+    error_type = "UnsupportedMediaTypeError"
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+    error_type = "PayloadTooLargeError"
+
+
+class NoEndpointAvailable(ProxyError):
+    status = 503
+    error_type = "ServiceUnavailableError"
+
+
+class UpstreamError(ProxyError):
+    status = 502
+    error_type = "BadGatewayError"
+
+    def __init__(self, message: str, *, leg: str) -> None:
+        super().__init__(message)
+        self.leg = leg
+
+
+class UpstreamConnectError(UpstreamError):
+    status = 503
+    error_type = "ServiceUnavailableError"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    error_type = "GatewayTimeoutError"
+
+
+class UpstreamProtocolError(UpstreamError):
+    pass
+
+
+class UpstreamStatusError(UpstreamError):
+    """The engine answered non-2xx; ``body`` and ``content_type`` are relayed as they came."""
+
+    def __init__(self, *, leg: str, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"{leg} engine answered HTTP {status}", leg=leg)
+        self.engine_status = status
+        self.body = body
+        self.content_type = content_type
+
+
+class ConfigError(Exception):
+    """Invalid configuration; the CLI turns it into exit status 2."""

@@ -1,0 +1,90 @@
+"""The live engine instances by role.
+
+Soft state only: static instances come from the command line, registered ones re-announce
+themselves every few seconds, so a restarted proxy converges without any stored state.
+Mutated only on the event loop, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Source
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The routable instances at one moment; what the scheduler sees."""
+
+    prefill: tuple[Endpoint, ...]
+    decode: tuple[Endpoint, ...]
+
+
+class EndpointRegistry:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._by_url: dict[str, Endpoint] = {}
+        self._snapshot: Snapshot | None = None
+
+    def __len__(self) -> int:
+        return len(self._by_url)
+
+    def get(self, url: str) -> Endpoint | None:
+        return self._by_url.get(url)
+
+    def all(self) -> list[Endpoint]:
+        return list(self._by_url.values())
+
+    def add(self, endpoint: Endpoint) -> None:
+        """Insert or replace the instance at ``endpoint.url``, keeping its in-flight count."""
+        previous = self._by_url.get(endpoint.url)
+        if previous is not None:
+            endpoint.in_flight = previous.in_flight
+        self._by_url[endpoint.url] = endpoint
+        self._changed()
+
+    def add_static(self, role: Role, addresses: Iterable[EngineAddress]) -> None:
+        for address in addresses:
+            self.add(Endpoint(role=role, address=address, source=Source.STATIC))
+
+    def touch(self, url: str, ttl: float, last_seen: float) -> None:
+        """Extend a registered instance's lease (a heartbeat)."""
+        endpoint = self._by_url[url]
+        endpoint.expires_at = self._clock() + ttl
+        endpoint.last_seen = last_seen
+
+    def set_state(self, url: str, state: EndpointState) -> None:
+        self._by_url[url].state = state
+        self._changed()
+
+    def remove(self, url: str) -> Endpoint | None:
+        endpoint = self._by_url.pop(url, None)
+        if endpoint is not None:
+            self._changed()
+        return endpoint
+
+    def expire(self) -> list[Endpoint]:
+        """Drop every instance whose lease ran out; static ones never expire."""
+        now = self._clock()
+        dead = [
+            e for e in self._by_url.values() if e.expires_at is not None and e.expires_at <= now
+        ]
+        for endpoint in dead:
+            del self._by_url[endpoint.url]
+        if dead:
+            self._changed()
+        return dead
+
+    def snapshot(self) -> Snapshot:
+        """Routable instances by role; cached until the registry changes."""
+        if self._snapshot is None:
+            ready = [e for e in self._by_url.values() if e.routable]
+            self._snapshot = Snapshot(
+                prefill=tuple(e for e in ready if e.role is Role.PREFILL),
+                decode=tuple(e for e in ready if e.role is Role.DECODE),
+            )
+        return self._snapshot
+
+    def _changed(self) -> None:
+        self._snapshot = None

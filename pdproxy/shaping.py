@@ -1,0 +1,90 @@
+"""Pure OpenAI-body transforms. They never mutate their input.
+
+Both legs are built from the client's *untouched* original body, so a leg can be rebuilt
+(or a later fallback can send the original) without undoing earlier edits.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+MODEL = "model"
+PROMPT = "prompt"
+MESSAGES = "messages"
+STREAM = "stream"
+STREAM_OPTIONS = "stream_options"
+MAX_TOKENS = "max_tokens"
+MAX_COMPLETION_TOKENS = "max_completion_tokens"
+MIN_TOKENS = "min_tokens"
+MIN_COMPLETION_TOKENS = "min_completion_tokens"
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+
+HEADER_REQUEST_ID = "X-Request-Id"
+HEADER_DP_RANK = "X-data-parallel-rank"
+HEADER_AUTHORIZATION = "Authorization"
+
+# Fields a prefill leg must not carry: it answers one token, never streams, and vLLM rejects
+# min_tokens > max_tokens.
+_PREFILL_DROPPED = frozenset(
+    {STREAM_OPTIONS, MIN_TOKENS, MIN_COMPLETION_TOKENS, KV_TRANSFER_PARAMS}
+)
+
+# A client may name its request, but only with characters that are safe inside vLLM's
+# internal ids and log lines.
+_SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+JSONBody = dict[str, Any]
+
+
+def prefill_body(
+    original: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None
+) -> JSONBody:
+    """The prefill leg: clamped to one token, not streamed, with the connector's params."""
+    body = {k: v for k, v in original.items() if k not in _PREFILL_DROPPED}
+    body[MAX_TOKENS] = 1
+    if MAX_COMPLETION_TOKENS in original:
+        body[MAX_COMPLETION_TOKENS] = 1
+    body[STREAM] = False
+    if kv_transfer_params is not None:
+        body[KV_TRANSFER_PARAMS] = dict(kv_transfer_params)
+    return body
+
+
+def decode_body(
+    original: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None
+) -> JSONBody:
+    """The decode leg: the original request plus the connector's params.
+
+    A client's own ``kv_transfer_params`` never reaches an engine: it would let a client
+    point a decode at any host's KV.
+    """
+    body = {k: v for k, v in original.items() if k != KV_TRANSFER_PARAMS}
+    if kv_transfer_params is not None:
+        body[KV_TRANSFER_PARAMS] = kv_transfer_params
+    return body
+
+
+def is_streaming(body: Mapping[str, Any]) -> bool:
+    return body.get(STREAM) is True
+
+
+def client_request_id(header_value: str | None) -> str:
+    """The client's ``X-Request-Id`` when it is sane, else a fresh uuid4 hex."""
+    if header_value is not None and _SANE_REQUEST_ID.match(header_value):
+        return header_value
+    return uuid.uuid4().hex
+
+
+def leg_headers(
+    request_id: str, authorization: str | None, dp_rank: int | None = None
+) -> dict[str, str]:
+    """Headers for one upstream leg; the same request id goes to both legs."""
+    headers = {"Content-Type": "application/json", HEADER_REQUEST_ID: request_id}
+    if authorization is not None:
+        headers[HEADER_AUTHORIZATION] = authorization
+    if dp_rank is not None:
+        headers[HEADER_DP_RANK] = str(dp_rank)
+    return headers

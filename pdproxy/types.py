@@ -1,0 +1,90 @@
+"""Value objects shared by every layer of pdproxy (stdlib only)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Role(str, enum.Enum):
+    """What an engine instance does in a disaggregated deployment."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class ApiKind(str, enum.Enum):
+    """The OpenAI endpoint a request came in on; both legs use the same one."""
+
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+    @property
+    def path(self) -> str:
+        return self.value
+
+
+class EndpointState(str, enum.Enum):
+    """Lifecycle of an endpoint in the registry."""
+
+    PENDING = "pending"  # registered, waiting for its model probe
+    READY = "ready"  # routable
+    DRAINING = "draining"  # no new requests; in-flight ones finish
+
+
+class Source(str, enum.Enum):
+    """Where an endpoint came from; only registered ones expire."""
+
+    STATIC = "static"
+    REGISTERED = "registered"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineAddress:
+    """Where an engine listens: its HTTP base URL plus the connector's peer address."""
+
+    url: str  # "http://host:port", no trailing slash
+    zmq_address: str | None = None  # the KV side address embedded in request ids
+    dp_size: int = 1
+    tp_size: int = 1
+    transfer_mode: str | None = None  # "READ" | "WRITE" for MoRIIO
+    bootstrap_url: str | None = None  # Mooncake bootstrap server
+
+    @property
+    def host_port(self) -> str:
+        return self.url.split("://", 1)[1]
+
+
+@dataclass(slots=True, kw_only=True)
+class Endpoint:
+    """One engine instance as the proxy tracks it.
+
+    ``in_flight`` is soft load state, mutated only on the event loop.
+    """
+
+    role: Role
+    address: EngineAddress
+    source: Source
+    state: EndpointState = EndpointState.READY
+    expires_at: float | None = None  # monotonic deadline; None = never expires
+    last_seen: float | None = None  # wall-clock time of the last heartbeat
+    in_flight: int = 0
+    models: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def url(self) -> str:
+        return self.address.url
+
+    @property
+    def routable(self) -> bool:
+        return self.state is EndpointState.READY
+
+
+@dataclass(frozen=True, slots=True)
+class PairDecision:
+    """The scheduler's choice for one request: a prefill, a decode and a DP rank on P."""
+
+    prefill: Endpoint
+    decode: Endpoint
+    prefill_dp_rank: int | None = None
