@@ -21,6 +21,10 @@ def error_body(error: ProxyError) -> tuple[int, bytes, str]:
     return error.status, orjson.dumps(error.to_dict()), JSON
 
 
+def json_response(content: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(content), status_code=status, media_type=JSON)
+
+
 def error_response(error: ProxyError) -> Response:
     status, body, content_type = error_body(error)
     return Response(body, status_code=status, media_type=content_type)

@@ -7,9 +7,10 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdproxy.api.errors import json_response
 from pdproxy.api.state import AppState
 from pdproxy.errors import UpstreamError
 from pdproxy.types import Endpoint, Role
@@ -31,12 +32,12 @@ async def health() -> Response:
 
 
 @router.get("/status")
-async def status(request: Request) -> ORJSONResponse:
+async def status(request: Request) -> Response:
     """Same keys as vLLM's disagg_proxy_demo.py, plus per-instance detail."""
     endpoints = _state(request).registry.all()
     prefill = [e.address.host_port for e in endpoints if e.role is Role.PREFILL]
     decode = [e.address.host_port for e in endpoints if e.role is Role.DECODE]
-    return ORJSONResponse(
+    return json_response(
         {
             "prefill_node_count": len(prefill),
             "decode_node_count": len(decode),
@@ -47,7 +48,7 @@ async def status(request: Request) -> ORJSONResponse:
 
 
 @router.get("/v1/models")
-async def models(request: Request) -> ORJSONResponse:
+async def models(request: Request) -> Response:
     """The union of the models the instances serve; an instance that fails is skipped."""
     state = _state(request)
     endpoints = [e for e in state.registry.all() if e.routable]
@@ -56,7 +57,7 @@ async def models(request: Request) -> ORJSONResponse:
     for cards in answers:
         for card in cards:
             by_id.setdefault(card["id"], card)
-    return ORJSONResponse({"object": "list", "data": list(by_id.values())})
+    return json_response({"object": "list", "data": list(by_id.values())})
 
 
 async def _models_of(state: AppState, endpoint: Endpoint) -> list[dict[str, Any]]:

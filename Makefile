@@ -1,0 +1,45 @@
+# pdproxy: `make run` (a working deployment on this machine) and `make test` (everything CI runs).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.pdproxy-installed
+ENGINES ?= real
+PYTEST_ARGS ?=
+
+-include engines/engines.mk
+
+.PHONY: install run test test-fast check bench clean
+
+$(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) and installing pdproxy with its test and dev extras"
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+install: $(STAMP)
+
+## run: pdproxy in front of one prefill and one decode (ENGINES=real|sim), until Ctrl-C
+run: install
+	$(PY) -m engines.demo --engines $(ENGINES)
+
+## test: every tier, the real-engine one included (it installs vLLM's CPU build on first use)
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## test-fast: unit and loopback tiers only, no real vLLM engines
+test-fast: install
+	$(PY) -m pytest -m "not real_engine" $(PYTEST_ARGS)
+
+check: install
+	$(VENV)/bin/ruff format --check pdproxy engines tests bench
+	$(VENV)/bin/ruff check pdproxy engines tests bench
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+## bench: direct-to-decode vs through pdproxy, against sim engines, in one run
+bench: install
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

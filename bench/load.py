@@ -1,0 +1,78 @@
+"""A closed-loop load generator: N workers, each sending one request after another."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+
+@dataclass(frozen=True)
+class Result:
+    requests: int
+    errors: int
+    seconds: float
+    ttft: list[float]
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    def ttft_ms(self, q: float) -> float:
+        ordered = sorted(self.ttft)
+        return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    @property
+    def ttft_p50_ms(self) -> float:
+        return 1000 * statistics.median(self.ttft)
+
+
+def body(max_tokens: int) -> bytes:
+    return orjson.dumps(
+        {
+            "model": "sim-model",
+            "prompt": "The quick brown fox jumps over the lazy dog " * 4,
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    )
+
+
+async def _one(session: aiohttp.ClientSession, url: str, payload: bytes) -> float:
+    started = time.perf_counter()
+    first = 0.0
+    async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}")
+        async for _ in r.content.iter_any():
+            if not first:
+                first = time.perf_counter() - started
+    return first
+
+
+async def run(base_url: str, *, concurrency: int, total: int, max_tokens: int) -> Result:
+    url = base_url + "/v1/completions"
+    payload = body(max_tokens)
+    ttft: list[float] = []
+    errors = 0
+    remaining = total
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal remaining, errors
+        while remaining > 0:
+            remaining -= 1
+            try:
+                ttft.append(await _one(session, url, payload))
+            except (RuntimeError, aiohttp.ClientError):
+                errors += 1
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        seconds = time.perf_counter() - started
+    return Result(total - errors, errors, seconds, ttft)

@@ -1,0 +1,94 @@
+"""Start the benchmark's servers as separate processes and read their CPU time from /proc."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import aiohttp
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (not its children)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+@contextlib.contextmanager
+def process(args: list[str], log_path: str) -> Iterator[subprocess.Popen[bytes]]:
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def wait_healthy(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with session.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not become healthy in {timeout} s")
+
+
+def sim_args(port: int, role: str, decode_tps: float) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "engines.sim",
+        "--port",
+        str(port),
+        "--role",
+        role,
+        "--connector",
+        "nixl",
+        "--decode-tps",
+        str(decode_tps),
+        "--log-level",
+        "warning",
+    ]
+
+
+def proxy_args(port: int, prefill: str, decode: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pdproxy",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--prefill",
+        prefill,
+        "--decode",
+        decode,
+        "--log-level",
+        "warning",
+    ]

@@ -1,0 +1,130 @@
+"""`make bench`: direct-to-decode vs through pdproxy against sim engines, in one run.
+
+Scenarios (issue 3): (a) 32 concurrent streams of 16 tokens as fast as possible, (b) 64
+concurrent streams of 128 tokens at 200 tokens/s each, (c) one request at a time. For each:
+requests/s, TTFT p50/p99 direct and proxied, the TTFT pdproxy adds, and pdproxy's own CPU
+time per request (from /proc). Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from bench import load
+from bench.procs import cpu_seconds, free_port, process, proxy_args, sim_args, wait_healthy
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    concurrency: int
+    max_tokens: int
+    decode_tps: float
+    total: int
+    target_cpu_ms: float | None = None
+    target_added_ttft_ms: float | None = None
+
+
+SCENARIOS = (
+    Scenario("(a) 32 concurrent, 16 tokens", 32, 16, 0, 4000, target_cpu_ms=0.8),
+    Scenario("(b) 64 concurrent, 128 tokens @200 tok/s", 64, 128, 200, 640, target_cpu_ms=4.0),
+    Scenario("(c) one at a time, 16 tokens", 1, 16, 0, 1000, target_added_ttft_ms=1.0),
+)
+
+
+@contextlib.asynccontextmanager
+async def deployment(decode_tps: float, logdir: str) -> AsyncIterator[tuple[str, str, int]]:
+    """One prefill sim, one decode sim and pdproxy; yields (decode url, proxy url, proxy pid)."""
+    p_port, d_port, x_port = free_port(), free_port(), free_port()
+    p_url, d_url, x_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, x_port))
+    with (
+        process(sim_args(p_port, "prefill", decode_tps), f"{logdir}/prefill.log"),
+        process(sim_args(d_port, "decode", decode_tps), f"{logdir}/decode.log"),
+        process(proxy_args(x_port, p_url, d_url), f"{logdir}/proxy.log") as proxy,
+    ):
+        for url in (p_url, d_url, x_url):
+            await wait_healthy(url)
+        yield d_url, x_url, proxy.pid
+
+
+async def measure(scenario: Scenario, logdir: str) -> dict[str, float]:
+    async with deployment(scenario.decode_tps, logdir) as (decode_url, proxy_url, pid):
+        warm = dict(concurrency=scenario.concurrency, max_tokens=scenario.max_tokens)
+        await load.run(decode_url, total=200, **warm)
+        await load.run(proxy_url, total=200, **warm)
+        direct = await load.run(decode_url, total=scenario.total, **warm)
+        cpu_before = cpu_seconds(pid)
+        proxied = await load.run(proxy_url, total=scenario.total, **warm)
+        cpu = cpu_seconds(pid) - cpu_before
+    return {
+        "direct_rps": direct.rps,
+        "proxied_rps": proxied.rps,
+        "direct_p50": direct.ttft_p50_ms,
+        "direct_p99": direct.ttft_ms(0.99),
+        "proxied_p50": proxied.ttft_p50_ms,
+        "proxied_p99": proxied.ttft_ms(0.99),
+        "added_p50": proxied.ttft_p50_ms - direct.ttft_p50_ms,
+        "cpu_ms": 1000 * cpu / max(proxied.requests, 1),
+        "errors": direct.errors + proxied.errors,
+    }
+
+
+def verdict(scenario: Scenario, row: dict[str, float]) -> str:
+    checks = []
+    if scenario.target_cpu_ms is not None:
+        ok = row["cpu_ms"] <= scenario.target_cpu_ms
+        checks.append(f"CPU ≤ {scenario.target_cpu_ms} ms: {'met' if ok else 'MISSED'}")
+    if scenario.target_added_ttft_ms is not None:
+        ok = row["added_p50"] <= scenario.target_added_ttft_ms
+        checks.append(
+            f"added TTFT ≤ {scenario.target_added_ttft_ms} ms: {'met' if ok else 'MISSED'}"
+        )
+    return "; ".join(checks)
+
+
+def table(rows: list[tuple[Scenario, dict[str, float]]]) -> str:
+    lines = [
+        "| scenario | req/s direct | req/s proxied | TTFT p50 direct | TTFT p50 proxied "
+        "| TTFT p99 direct | TTFT p99 proxied | added TTFT p50 | proxy CPU/request | errors | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s, r in rows:
+        lines.append(
+            f"| {s.name} | {r['direct_rps']:.0f} | {r['proxied_rps']:.0f} | {r['direct_p50']:.2f} ms "
+            f"| {r['proxied_p50']:.2f} ms | {r['direct_p99']:.2f} ms | {r['proxied_p99']:.2f} ms "
+            f"| {r['added_p50']:+.2f} ms | {r['cpu_ms']:.3f} ms | {r['errors']:.0f} | {verdict(s, r)} |"
+        )
+    return "\n".join(lines)
+
+
+async def main_async(names: list[str] | None) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pdproxy-bench-") as logdir:
+        for scenario in SCENARIOS:
+            if names and not any(scenario.name.startswith(f"({n})") for n in names):
+                continue
+            rows.append((scenario, await measure(scenario, logdir)))
+            print(f"done: {scenario.name}", flush=True)
+    print(
+        f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}\n"
+    )
+    print(table(rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", nargs="*", help="scenario letters to run, e.g. a c")
+    args = parser.parse_args()
+    import uvloop
+
+    uvloop.run(main_async(args.only))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Real servers on loopback for the integration tiers (uvicorn's ``run_server`` pattern)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import uvicorn
+
+from pdproxy.api.app import create_app
+from pdproxy.config import ProxyConfig
+
+
+@dataclasses.dataclass
+class RunningProxy:
+    url: str
+    app: object
+    server: uvicorn.Server
+
+    @property
+    def state(self):
+        return self.app.state.pdproxy
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(config: ProxyConfig) -> AsyncIterator[RunningProxy]:
+    """pdproxy under a real uvicorn on 127.0.0.1 and a free port, on the current loop."""
+    app = create_app(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            http="httptools",
+            loop="none",
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+        )
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(500):
+            if server.started or task.done():
+                break
+            await asyncio.sleep(0.01)
+        if not server.started:
+            raise RuntimeError("pdproxy did not start")
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield RunningProxy(f"http://127.0.0.1:{port}", app, server)
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)

@@ -1,0 +1,74 @@
+import pytest
+
+from pdproxy.cli import parse_config
+from pdproxy.config import parse_engine_url
+from pdproxy.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "url"),
+    [
+        ("localhost:8100", "http://localhost:8100"),
+        ("http://10.0.0.1:80/", "http://10.0.0.1:80"),
+        ("https://engine-1.svc:443", "https://engine-1.svc:443"),
+        ("[::1]:8100", "http://[::1]:8100"),
+        ("http://[fe80::1]:9", "http://[fe80::1]:9"),
+    ],
+)
+def test_engine_urls(text, url):
+    assert parse_engine_url(text) == url
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["localhost", "host:0", "host:65536", "ftp://h:1", "h:1/v1", "bad_host:1", "[zz]:1", ":80"],
+)
+def test_bad_engine_urls(text):
+    with pytest.raises(ConfigError):
+        parse_engine_url(text)
+
+
+def test_flags_build_config():
+    cfg = parse_config(
+        ["--prefill", "a:1", "b:2", "--decode", "c:3", "--port", "9", "--kv-connector", "example"],
+        {},
+    )
+    assert [a.url for a in cfg.prefill] == ["http://a:1", "http://b:2"]
+    assert [a.url for a in cfg.decode] == ["http://c:3"]
+    assert cfg.port == 9 and cfg.kv_connector == "example"
+
+
+def test_env_vars_and_flag_precedence():
+    env = {
+        "PDPROXY_PREFILL": "a:1,b:2",
+        "PDPROXY_DECODE": "c:3",
+        "PDPROXY_PORT": "7",
+        "PDPROXY_ACCESS_LOG": "true",
+    }
+    cfg = parse_config([], env)
+    assert len(cfg.prefill) == 2 and cfg.port == 7 and cfg.access_log is True
+    assert parse_config(["--port", "8"], env).port == 8
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--decode", "c:3"],
+        ["--prefill", "a:1"],
+        ["--prefill", "nope", "--decode", "c:3"],
+        ["--prefill", "a:1", "--decode", "c:3", "--kv-connector", "bogus"],
+        ["--prefill", "a:1", "--decode", "c:3", "--keepalive-expiry-secs", "5"],
+        ["--prefill", "a:1", "--decode", "c:3", "--port", "x"],
+    ],
+)
+def test_bad_input_exits_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(argv, {})
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_bad_env_exits_2():
+    with pytest.raises(SystemExit) as exc:
+        parse_config(["--prefill", "a:1", "--decode", "c:3"], {"PDPROXY_PORT": "eighty"})
+    assert exc.value.code == 2

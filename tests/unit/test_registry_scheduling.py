@@ -1,0 +1,74 @@
+import pytest
+
+from pdproxy.errors import NoEndpointAvailable
+from pdproxy.registry import EndpointRegistry
+from pdproxy.scheduling.round_robin import RoundRobinScheduler
+from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Source
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _reg(n_p=2, n_d=2, dp=1):
+    reg = EndpointRegistry(Clock())
+    reg.add_static(
+        Role.PREFILL, [EngineAddress(url=f"http://p{i}:1", dp_size=dp) for i in range(n_p)]
+    )
+    reg.add_static(Role.DECODE, [EngineAddress(url=f"http://d{i}:1") for i in range(n_d)])
+    return reg
+
+
+def test_round_robin_alternates_independently():
+    reg, s = _reg(2, 3), RoundRobinScheduler()
+    picks = [s.schedule(reg.snapshot()) for _ in range(6)]
+    assert [p.prefill.url for p in picks] == ["http://p0:1", "http://p1:1"] * 3
+    assert [p.decode.url for p in picks] == ["http://d0:1", "http://d1:1", "http://d2:1"] * 2
+    assert all(p.prefill_dp_rank is None for p in picks)
+
+
+def test_round_robin_cycles_dp_ranks():
+    reg, s = _reg(1, 1, dp=2), RoundRobinScheduler()
+    assert [s.schedule(reg.snapshot()).prefill_dp_rank for _ in range(4)] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(("n_p", "n_d"), [(0, 1), (1, 0)])
+def test_empty_role_is_503(n_p, n_d):
+    with pytest.raises(NoEndpointAvailable) as exc:
+        RoundRobinScheduler().schedule(_reg(n_p, n_d).snapshot())
+    assert exc.value.status == 503
+
+
+def test_draining_and_removed_are_not_routable():
+    reg = _reg(2, 1)
+    reg.set_state("http://p0:1", EndpointState.DRAINING)
+    assert [e.url for e in reg.snapshot().prefill] == ["http://p1:1"]
+    reg.remove("http://p1:1")
+    assert reg.snapshot().prefill == ()
+
+
+def test_expiry_spares_static_and_keeps_in_flight_on_upsert():
+    clock = Clock()
+    reg = EndpointRegistry(clock)
+    reg.add_static(Role.DECODE, [EngineAddress(url="http://s:1")])
+    dyn = Endpoint(
+        role=Role.PREFILL, address=EngineAddress(url="http://r:1"), source=Source.REGISTERED
+    )
+    reg.add(dyn)
+    reg.touch("http://r:1", ttl=5, last_seen=0)
+    dyn.in_flight = 3
+    again = Endpoint(
+        role=Role.PREFILL, address=EngineAddress(url="http://r:1"), source=Source.REGISTERED
+    )
+    reg.add(again)
+    assert again.in_flight == 3
+    reg.touch("http://r:1", ttl=5, last_seen=0)
+    clock.now += 4.9
+    assert reg.expire() == []
+    clock.now += 0.2
+    assert [e.url for e in reg.expire()] == ["http://r:1"]
+    assert reg.get("http://s:1") is not None
