@@ -191,4 +191,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level=config.log_level,
         access_log=config.access_log,
         log_config=None,
+        # pdproxy logs no client addresses, so X-Forwarded-For parsing is wasted work.
+        proxy_headers=False,
     )

@@ -5,13 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from pdproxy.api.info import router as info_router
-from pdproxy.api.openai import GenerationEndpoint
+from pdproxy.api.openai import GenerationEndpoint, HotPathDispatch
 from pdproxy.api.state import AppState
 from pdproxy.config import ProxyConfig
 from pdproxy.connectors import load_connector
@@ -55,9 +57,21 @@ def create_app(
             await orchestrator.aclose()
             await client.aclose()
 
-    app = FastAPI(title="pdproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    metrics.track_in_flight(lambda: state.in_flight)
+    hot_paths = {kind.path: GenerationEndpoint(kind, state) for kind in ApiKind}
+    app = _ProxyApp(hot_paths, title="pdproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.pdproxy = state
-    for kind in ApiKind:
-        app.router.routes.append(Route(kind.path, GenerationEndpoint(kind), methods=["POST"]))
+    for path, endpoint in hot_paths.items():
+        # Also routed normally, so the OpenAPI schema and 405s stay right.
+        app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.include_router(info_router)
     return app
+
+
+class _ProxyApp(FastAPI):
+    def __init__(self, hot_paths: dict[str, GenerationEndpoint], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._hot_paths = hot_paths
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return HotPathDispatch(self._hot_paths, super().build_middleware_stack())

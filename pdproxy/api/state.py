@@ -18,3 +18,4 @@ class AppState:
     client: EngineClient
     metrics: ProxyMetrics
     orchestrator: Orchestrator
+    in_flight: int = 0  # client requests being served
