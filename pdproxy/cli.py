@@ -8,6 +8,7 @@ the environment. Invalid input exits with status 2 and one clear line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -22,6 +23,7 @@ from pdproxy.config import (
     Timeouts,
     parse_engine_url,
 )
+from pdproxy.discovery.messages import TRANSFER_MODES
 from pdproxy.errors import ConfigError
 from pdproxy.log import configure_logging
 from pdproxy.types import EngineAddress
@@ -98,6 +100,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=4.0,
         help="Idle pooled connections are closed after this, below vLLM's 5 s keep-alive.",
     )
+    p.add_argument(
+        "--transfer-mode",
+        type=str.upper,
+        choices=TRANSFER_MODES,
+        default=None,
+        help="KV transfer mode all instances share (MoRIIO); by default the first one fixes it.",
+    )
+    p.add_argument(
+        "--registry-port",
+        type=int,
+        default=None,
+        help="ZMQ registry port engines register with (off unless given; e.g. 30001, 36367).",
+    )
+    p.add_argument("--registry-host", default="0.0.0.0", help="Address the ZMQ registry binds to.")
+    p.add_argument(
+        "--registry-ttl",
+        type=float,
+        default=5.0,
+        help="Seconds after its last heartbeat a registered instance is forgotten.",
+    )
+    p.add_argument(
+        "--admin-api-key-file",
+        default=None,
+        help="File holding the admin API key (else $ADMIN_API_KEY; with neither, admin is off).",
+    )
+    p.add_argument(
+        "--admin-allow-cidr",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="CIDR",
+        help="Networks the admin API may add instances from (default: any).",
+    )
     p.add_argument("--log-level", default="info", choices=_LOG_LEVELS, help="Logging level.")
     p.add_argument(
         "--access-log",
@@ -132,13 +167,45 @@ def _apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> N
     parser.set_defaults(**defaults)
 
 
-def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+def _prefill_addresses(tokens: Sequence[str]) -> tuple[EngineAddress, ...]:
+    """``URL [BOOTSTRAP_PORT] URL ...``: a bare port after a URL is its Mooncake bootstrap port."""
+    addresses: list[EngineAddress] = []
+    for token in tokens:
+        if token.isdigit():
+            if not addresses or addresses[-1].bootstrap_url is not None:
+                raise ConfigError(f"--prefill: bootstrap port {token} must follow a URL")
+            last = addresses[-1]
+            host = last.url.split("://", 1)[1].rsplit(":", 1)[0]
+            bootstrap = parse_engine_url(f"{host}:{token}")
+            addresses[-1] = dataclasses.replace(last, bootstrap_url=bootstrap)
+        else:
+            addresses.append(EngineAddress(url=parse_engine_url(token)))
+    return tuple(addresses)
+
+
+def _admin_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    if args.admin_api_key_file:
+        try:
+            with open(args.admin_api_key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --admin-api-key-file: {exc.strerror}") from exc
+        if not key:
+            raise ConfigError("--admin-api-key-file is empty")
+        return key
+    return environ.get("ADMIN_API_KEY") or None
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ProxyConfig:
     """Build and validate the config; raises ``ConfigError`` with a one-line reason."""
     return ProxyConfig(
         host=args.host,
         port=args.port,
-        prefill=tuple(EngineAddress(url=parse_engine_url(u)) for u in args.prefill or ()),
+        prefill=_prefill_addresses(args.prefill or ()),
         decode=tuple(EngineAddress(url=parse_engine_url(u)) for u in args.decode or ()),
+        transfer_mode=args.transfer_mode,
+        admin_api_key=_admin_key(args, environ),
+        admin_allow_cidrs=tuple(args.admin_allow_cidr or ()),
         kv_connector=args.kv_connector,
         model=args.model,
         max_body_bytes=args.max_body_bytes,
@@ -148,7 +215,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             max_connections_per_host=args.max_connections_per_host,
             keepalive_expiry=args.keepalive_expiry_secs,
         ),
-        registry=RegistryConfig(),
+        registry=RegistryConfig(
+            port=args.registry_port, host=args.registry_host, ttl=args.registry_ttl
+        ),
         log_level=args.log_level,
         access_log=args.access_log,
     )
@@ -158,10 +227,11 @@ def parse_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> ProxyConfig:
     parser = build_parser()
-    _apply_env(parser, os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    _apply_env(parser, environ)
     args = parser.parse_args(argv)
     try:
-        return config_from_args(args)
+        return config_from_args(args, environ)
     except ConfigError as exc:
         parser.error(str(exc))
     raise AssertionError("unreachable")  # parser.error exits

@@ -18,6 +18,9 @@ KV_CONNECTORS = MappingProxyType(
     {
         "nixl": "pdproxy.connectors.nixl:NixlConnector",
         "example": "pdproxy.connectors.example:ExampleConnector",
+        "moriio": "pdproxy.connectors.moriio:MoriioConnector",
+        "p2p-nccl": "pdproxy.connectors.p2p_nccl:P2pNcclConnector",
+        "mooncake": "pdproxy.connectors.mooncake:MooncakeConnector",
     }
 )
 

@@ -10,7 +10,9 @@
     │   ├── UpstreamTimeout   504   no answer in time; the request may have run
     │   ├── UpstreamProtocolError 502  broken or truncated answer
     │   └── UpstreamStatusError  (engine status)  the engine answered non-2xx
-    └── ConfigError                 invalid configuration (never reaches a client)
+    ├── AdminError                  the admin API refused a call (401/403/400/409)
+    ConfigError                     invalid configuration (never reaches a client)
+    RegistryMessageError            a bad registration message (logged, never answered)
 
 ``UpstreamStatusError`` carries the engine's own status and body so the client sees
 exactly what the engine said.
@@ -96,3 +98,17 @@ class UpstreamStatusError(UpstreamError):
 
 class ConfigError(Exception):
     """Invalid configuration; the CLI turns it into exit status 2."""
+
+
+class AdminError(ProxyError):
+    """The admin API refused a call; ``status`` is set per instance."""
+
+    error_type = "AdminError"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status  # type: ignore[misc]
+
+
+class RegistryMessageError(Exception):
+    """A registration message that cannot be used; counted and logged, never answered."""

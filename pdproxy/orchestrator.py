@@ -76,7 +76,7 @@ class Orchestrator:
             decision.prefill_dp_rank,
             decision.decode.url,
         )
-        if self._connector.concurrent:
+        if self._connector.runs_concurrently(transfer):
             return await self._concurrent(request, transfer)
         prefill_answer = await self._prefill(request, transfer)
         return await self._decode(request, transfer, prefill_answer)

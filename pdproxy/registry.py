@@ -8,17 +8,8 @@ Mutated only on the event loop, so it needs no locks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
-from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Source
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """The routable instances at one moment; what the scheduler sees."""
-
-    prefill: tuple[Endpoint, ...]
-    decode: tuple[Endpoint, ...]
+from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Snapshot, Source
 
 
 class EndpointRegistry:

@@ -78,6 +78,16 @@ def client_request_id(header_value: str | None) -> str:
     return uuid.uuid4().hex
 
 
+def peer_request_id(prefill_kv_address: str, decode_kv_address: str) -> str:
+    """The id P2P-NCCL, MoRIIO and Mooncake engines parse their peer's address from.
+
+    vLLM's MoRIIO decode regex requires the trailing 32-hex uuid; both legs carry the same id.
+    """
+    return (
+        f"___prefill_addr_{prefill_kv_address}___decode_addr_{decode_kv_address}_{uuid.uuid4().hex}"
+    )
+
+
 def leg_headers(
     request_id: str, authorization: str | None, dp_rank: int | None = None
 ) -> dict[str, str]:

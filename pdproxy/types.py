@@ -71,6 +71,7 @@ class Endpoint:
     last_seen: float | None = None  # wall-clock time of the last heartbeat
     in_flight: int = 0
     models: tuple[str, ...] = field(default_factory=tuple)
+    engine_ids: tuple[str, ...] = field(default_factory=tuple)  # per DP rank (Mooncake)
 
     @property
     def url(self) -> str:
@@ -79,6 +80,24 @@ class Endpoint:
     @property
     def routable(self) -> bool:
         return self.state is EndpointState.READY
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: what the engine announced, or what its bootstrap listed."""
+        return len(self.engine_ids) or self.address.dp_size
+
+    @property
+    def kv_address(self) -> str:
+        """The address peers reach for KV; the HTTP host:port when none was announced."""
+        return self.address.zmq_address or self.address.host_port
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The routable instances at one moment; what the scheduler sees."""
+
+    prefill: tuple[Endpoint, ...]
+    decode: tuple[Endpoint, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,22 +7,28 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from pdproxy.api.admin import router as admin_router
+from pdproxy.api.errors import error_response
 from pdproxy.api.info import router as info_router
 from pdproxy.api.openai import GenerationEndpoint, HotPathDispatch
 from pdproxy.api.state import AppState
 from pdproxy.config import ProxyConfig
 from pdproxy.connectors import load_connector
+from pdproxy.discovery.zmq import ZmqRegistry
 from pdproxy.engine_client import EngineClient
+from pdproxy.errors import ProxyError
+from pdproxy.membership import Membership
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
 from pdproxy.registry import EndpointRegistry
 from pdproxy.scheduling.round_robin import RoundRobinScheduler
-from pdproxy.types import ApiKind, Role
+from pdproxy.types import ApiKind
 
 
 def create_app(
@@ -31,41 +37,77 @@ def create_app(
     clock: Callable[[], float] = time.monotonic,
     metrics_registry: CollectorRegistry | None = None,
 ) -> FastAPI:
-    registry = EndpointRegistry(clock)
-    registry.add_static(Role.PREFILL, config.prefill)
-    registry.add_static(Role.DECODE, config.decode)
-    client = EngineClient(config.timeouts, config.pool)
-    metrics = ProxyMetrics(metrics_registry or CollectorRegistry())
-    orchestrator = Orchestrator(
-        registry=registry,
-        scheduler=RoundRobinScheduler(),
-        connector=load_connector(config),
-        client=client,
-        metrics=metrics,
+    state = _build_state(config, clock, metrics_registry or CollectorRegistry())
+    registry = (
+        ZmqRegistry(config.registry, state.membership, state.metrics)
+        if config.registry.port
+        else None
     )
-    state = AppState(config, registry, client, metrics, orchestrator)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Startup: open the upstream pools before the first request can arrive.
-        await client.start()
+        # Startup: open the upstream pools, admit the static instances, start the sweeper
+        # and the registry socket, in that order, before the first request can arrive.
+        await state.client.start()
+        state.membership.add_static()
+        state.membership.start()
+        if registry is not None:
+            registry.start()
         try:
             yield
         finally:
-            # Shutdown: uvicorn has stopped accepting and drained connections; cancel the
-            # prefill legs still running in the background, then close the pools.
-            await orchestrator.aclose()
-            await client.aclose()
+            # Shutdown: uvicorn has stopped accepting and drained connections. Stop
+            # discovery, cancel background prefill legs, then close the pools.
+            if registry is not None:
+                await registry.aclose()
+            await state.membership.aclose()
+            await state.orchestrator.aclose()
+            await state.client.aclose()
 
-    metrics.track_in_flight(lambda: state.in_flight)
     hot_paths = {kind.path: GenerationEndpoint(kind, state) for kind in ApiKind}
     app = _ProxyApp(hot_paths, title="pdproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.pdproxy = state
+    app.state.zmq_registry = registry
     for path, endpoint in hot_paths.items():
         # Also routed normally, so the OpenAPI schema and 405s stay right.
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.include_router(info_router)
+    app.include_router(admin_router)
+    app.add_exception_handler(ProxyError, _proxy_error)
     return app
+
+
+def _build_state(
+    config: ProxyConfig, clock: Callable[[], float], metrics_registry: CollectorRegistry
+) -> AppState:
+    registry = EndpointRegistry(clock)
+    client = EngineClient(config.timeouts, config.pool)
+    metrics = ProxyMetrics(metrics_registry)
+    connector = load_connector(config)
+    orchestrator = Orchestrator(
+        registry=registry,
+        scheduler=RoundRobinScheduler(),
+        connector=connector,
+        client=client,
+        metrics=metrics,
+    )
+    membership = Membership(
+        config=config,
+        registry=registry,
+        client=client,
+        connector=connector,
+        metrics=metrics,
+        clock=clock,
+    )
+    state = AppState(config, registry, client, metrics, orchestrator, membership)
+    metrics.track_in_flight(lambda: state.in_flight)
+    return state
+
+
+async def _proxy_error(request: Request, exc: Exception) -> Response:
+    if not isinstance(exc, ProxyError):
+        raise exc
+    return error_response(exc)
 
 
 class _ProxyApp(FastAPI):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdproxy.config import ProxyConfig
 from pdproxy.engine_client import EngineClient
+from pdproxy.membership import Membership
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
 from pdproxy.registry import EndpointRegistry
@@ -18,4 +19,5 @@ class AppState:
     client: EngineClient
     metrics: ProxyMetrics
     orchestrator: Orchestrator
+    membership: Membership
     in_flight: int = 0  # client requests being served

@@ -1,8 +1,9 @@
 """KV connector adapters: how each vLLM KV connector wants the two legs shaped.
 
 An adapter is pure policy: it turns the client's body and the scheduler's decision into
-the prefill and decode bodies, and says whether the legs run one after the other
-(``concurrent = False``: P must finish before D starts) or together. It never does I/O.
+the prefill and decode bodies, and says whether the legs run one after the other (P must
+finish before D starts) or together. It never does I/O; what it must learn from an engine
+(Mooncake's engine ids) it names as a URL and parses from the answer the caller fetched.
 
 Adapters are chosen by name through ``pdproxy.config.KV_CONNECTORS``.
 """
@@ -15,8 +16,8 @@ from typing import Any, Protocol
 
 from pdproxy.config import KV_CONNECTORS, ProxyConfig, import_from_string
 from pdproxy.errors import ConfigError
-from pdproxy.shaping import JSONBody
-from pdproxy.types import PairDecision
+from pdproxy.shaping import JSONBody, client_request_id
+from pdproxy.types import EngineAddress, PairDecision
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +30,12 @@ class Transfer:
 
 
 class KVConnector(Protocol):
-    #: True when P and D must be sent at the same time (push / WRITE transfers).
-    concurrent: bool
-
     def begin(self, decision: PairDecision, client_request_id: str | None) -> Transfer:
         """Fix the request id (and any transfer id) that both legs carry."""
+        ...
+
+    def runs_concurrently(self, transfer: Transfer) -> bool:
+        """True when P and D are sent together (push / WRITE); False: P finishes first."""
         ...
 
     def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
@@ -48,6 +50,34 @@ class KVConnector(Protocol):
     ) -> JSONBody:
         """The body for D; ``prefill_response`` is P's JSON answer in serial mode, else None."""
         ...
+
+    def prefill_bootstrap_url(self, address: EngineAddress) -> str | None:
+        """A URL to GET before a prefill is routable, or None."""
+        ...
+
+    def parse_bootstrap(self, answer: Any) -> tuple[str, ...]:
+        """Engine ids by DP rank from the bootstrap answer; raises ValueError if unusable."""
+        ...
+
+
+class SerialConnector:
+    """Defaults shared by the adapters: serial legs, the client's request id, no bootstrap."""
+
+    @classmethod
+    def from_config(cls, config: ProxyConfig) -> SerialConnector:
+        return cls()
+
+    def begin(self, decision: PairDecision, client_request_id_: str | None) -> Transfer:
+        return Transfer(decision, client_request_id(client_request_id_))
+
+    def runs_concurrently(self, transfer: Transfer) -> bool:
+        return False
+
+    def prefill_bootstrap_url(self, address: EngineAddress) -> str | None:
+        return None
+
+    def parse_bootstrap(self, answer: Any) -> tuple[str, ...]:
+        return ()
 
 
 def load_connector(config: ProxyConfig) -> KVConnector:

@@ -8,22 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pdproxy.config import ProxyConfig
-from pdproxy.connectors import Transfer
-from pdproxy.shaping import JSONBody, client_request_id, decode_body, prefill_body
-from pdproxy.types import PairDecision
+from pdproxy.connectors import SerialConnector, Transfer
+from pdproxy.shaping import JSONBody, decode_body, prefill_body
 
 
-class ExampleConnector:
-    concurrent = False
-
-    @classmethod
-    def from_config(cls, config: ProxyConfig) -> ExampleConnector:
-        return cls()
-
-    def begin(self, decision: PairDecision, client_request_id_: str | None) -> Transfer:
-        return Transfer(decision, client_request_id(client_request_id_))
-
+class ExampleConnector(SerialConnector):
     def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
         return prefill_body(original, None)
 

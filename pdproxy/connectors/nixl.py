@@ -11,16 +11,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from pdproxy.config import ProxyConfig
-from pdproxy.connectors import Transfer
+from pdproxy.connectors import SerialConnector, Transfer
 from pdproxy.shaping import (
     KV_TRANSFER_PARAMS,
     JSONBody,
-    client_request_id,
     decode_body,
     prefill_body,
 )
-from pdproxy.types import PairDecision
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +31,7 @@ PREFILL_PARAMS: Mapping[str, Any] = {
 }
 
 
-class NixlConnector:
-    concurrent = False
-
-    @classmethod
-    def from_config(cls, config: ProxyConfig) -> NixlConnector:
-        return cls()
-
-    def begin(self, decision: PairDecision, client_request_id_: str | None) -> Transfer:
-        return Transfer(decision, client_request_id(client_request_id_))
-
+class NixlConnector(SerialConnector):
     def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
         return prefill_body(original, PREFILL_PARAMS)
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pdproxy.registry import Snapshot
-from pdproxy.types import PairDecision
+from pdproxy.types import PairDecision, Snapshot
 
 
 class Scheduler(Protocol):

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from pdproxy.errors import NoEndpointAvailable
-from pdproxy.registry import Snapshot
-from pdproxy.types import Endpoint, PairDecision
+from pdproxy.types import Endpoint, PairDecision, Snapshot
 
 
 class RoundRobinScheduler:
@@ -22,7 +21,7 @@ class RoundRobinScheduler:
         decode, _ = self._next(snapshot.decode, self._decode_turn)
         self._prefill_turn += 1
         self._decode_turn += 1
-        dp_size = prefill.address.dp_size
+        dp_size = prefill.dp_size
         rank = (p_turn // len(snapshot.prefill)) % dp_size if dp_size > 1 else None
         return PairDecision(prefill, decode, rank)
 

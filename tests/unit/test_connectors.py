@@ -33,7 +33,7 @@ def test_nixl_prefill_asks_for_remote_decode():
     assert body["kv_transfer_params"]["do_remote_decode"] is True
     assert body["kv_transfer_params"]["do_remote_prefill"] is False
     assert body["max_tokens"] == 1 and body["stream"] is False and "min_tokens" not in body
-    assert c.concurrent is False
+    assert c.runs_concurrently(t) is False
 
 
 def test_nixl_decode_forwards_params_verbatim():
@@ -61,4 +61,4 @@ def test_example_sends_no_params():
     t = c.begin(_decision(), None)
     assert "kv_transfer_params" not in c.prefill_body(BODY, t)
     assert c.decode_body(BODY, t, {"kv_transfer_params": {"a": 1}}) == BODY
-    assert c.concurrent is False
+    assert c.runs_concurrently(t) is False

@@ -1,0 +1,174 @@
+"""The admin API: add, drain and list instances. Guarded by ``X-API-Key``.
+
+Compatible with vLLM's disagg_proxy_demo.py (``POST /instances/add {"type", "instance"}``)
+and safer: never open by default, constant-time key comparison, validated addresses (with
+an optional CIDR allow-list so the API cannot be pointed at internal hosts), 409 on
+duplicates. The key never appears in a log line or a response, right or wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import socket
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from pdproxy.api.errors import json_response
+from pdproxy.api.state import AppState
+from pdproxy.config import format_url, parse_host_port
+from pdproxy.discovery.messages import TRANSFER_MODES
+from pdproxy.errors import AdminError, ConfigError
+from pdproxy.types import Endpoint, EngineAddress, Role
+
+router = APIRouter(prefix="/instances")
+
+_ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE}
+_MAX_BODY = 16 * 1024
+
+
+def _state(request: Request) -> AppState:
+    state: AppState = request.app.state.pdproxy
+    return state
+
+
+def _authorize(request: Request) -> AppState:
+    state = _state(request)
+    key = state.config.admin_api_key
+    if not key:
+        raise AdminError(
+            403, "the admin API is disabled: set ADMIN_API_KEY or --admin-api-key-file"
+        )
+    given = request.headers.get("x-api-key")
+    if given is None:
+        raise AdminError(401, "missing X-API-Key header")
+    if not hmac.compare_digest(given.encode("utf-8", "replace"), key.encode("utf-8")):
+        raise AdminError(403, "invalid API key")
+    return state
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > _MAX_BODY:
+        raise AdminError(413, "admin request body too large")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise AdminError(400, "body must be a JSON object") from exc
+    if not isinstance(body, dict):
+        raise AdminError(400, "body must be a JSON object")
+    return body
+
+
+@router.post("/add")
+async def add_instance(request: Request) -> Response:
+    state = _authorize(request)
+    body = await _json_body(request)
+    role = _ROLES.get(body.get("type"))  # type: ignore[arg-type]
+    if role is None:
+        raise AdminError(400, "'type' must be 'prefill' or 'decode'")
+    host, port = await _allowed_address(body.get("instance"), state.config.admin_allow_cidrs)
+    address = EngineAddress(
+        url=format_url("http", host, port),
+        zmq_address=_optional_str(body, "zmq_address"),
+        dp_size=_optional_size(body, "dp_size"),
+        tp_size=_optional_size(body, "tp_size"),
+        transfer_mode=_optional_mode(body),
+        bootstrap_url=_bootstrap_url(body, host),
+    )
+    endpoint = await state.membership.add_admin(role, address)
+    return json_response({"status": "added", "instance": describe(endpoint)})
+
+
+@router.post("/remove")
+async def remove_instance(request: Request) -> Response:
+    state = _authorize(request)
+    body = await _json_body(request)
+    host, port = _address(body.get("instance"))
+    endpoint = state.membership.drain(format_url("http", host, port))
+    return json_response({"status": "draining", "instance": describe(endpoint)})
+
+
+@router.get("")
+async def list_instances(request: Request) -> Response:
+    state = _authorize(request)
+    return json_response({"instances": [describe(e) for e in state.registry.all()]})
+
+
+def describe(endpoint: Endpoint) -> dict[str, Any]:
+    address = endpoint.address
+    return {
+        "role": endpoint.role.value,
+        "address": address.host_port,
+        "url": address.url,
+        "state": endpoint.state.value,
+        "source": endpoint.source.value,
+        "in_flight": endpoint.in_flight,
+        "last_heartbeat": endpoint.last_seen,
+        "zmq_address": address.zmq_address,
+        "dp_size": endpoint.dp_size,
+        "tp_size": address.tp_size,
+        "transfer_mode": address.transfer_mode,
+        "models": list(endpoint.models),
+    }
+
+
+def _address(value: object) -> tuple[str, int]:
+    if not isinstance(value, str):
+        raise AdminError(400, "'instance' must be a host:port string")
+    try:
+        return parse_host_port(value.strip())
+    except ConfigError as exc:
+        raise AdminError(400, f"invalid instance address: {exc}") from exc
+
+
+async def _allowed_address(value: object, cidrs: tuple[str, ...]) -> tuple[str, int]:
+    """Validate ``host:port``; with an allow-list, every address it resolves to must be in it."""
+    host, port = _address(value)
+    if not cidrs:
+        return host, port
+    networks = [ipaddress.ip_network(c, strict=False) for c in cidrs]
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise AdminError(400, f"cannot resolve {host!r}") from exc
+    resolved = {ipaddress.ip_address(info[4][0]) for info in infos}
+    if not resolved or not all(any(ip in net for net in networks) for ip in resolved):
+        raise AdminError(403, f"{host!r} is outside the allowed networks")
+    return host, port
+
+
+def _optional_str(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, str) or not value or len(value) > 512):
+        raise AdminError(400, f"'{key}' must be a non-empty string")
+    return value
+
+
+def _optional_size(body: dict[str, Any], key: str) -> int:
+    value = body.get(key, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise AdminError(400, f"'{key}' must be an integer in 1-4096")
+    return value
+
+
+def _optional_mode(body: dict[str, Any]) -> str | None:
+    value = body.get("transfer_mode")
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.upper() not in TRANSFER_MODES:
+        raise AdminError(400, "'transfer_mode' must be READ or WRITE")
+    return value.upper()
+
+
+def _bootstrap_url(body: dict[str, Any], host: str) -> str | None:
+    value = body.get("bootstrap_port")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise AdminError(400, "'bootstrap_port' must be a port number")
+    return format_url("http", host, value)

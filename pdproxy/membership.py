@@ -1,0 +1,262 @@
+"""Admission of engine instances into the registry, from every source.
+
+Registered instances (ZMQ heartbeats) expire ``ttl`` seconds after their last message;
+static (command line) and admin-added ones never expire. Before an instance is routable it
+must agree with the deployment: one transfer mode for all, the ``--model`` if one is set,
+and whatever the connector must learn from it (Mooncake's engine ids). Probes run on the
+event loop in the background; a sweep timer expires, re-probes and finishes drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pdproxy.config import ProxyConfig
+from pdproxy.connectors import KVConnector
+from pdproxy.discovery.messages import Registration
+from pdproxy.engine_client import EngineClient
+from pdproxy.errors import AdminError, UpstreamError
+from pdproxy.log import RateLimitedLogger
+from pdproxy.metrics import ProxyMetrics
+from pdproxy.registry import EndpointRegistry
+from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Source
+
+logger = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(
+        self,
+        *,
+        config: ProxyConfig,
+        registry: EndpointRegistry,
+        client: EngineClient,
+        connector: KVConnector,
+        metrics: ProxyMetrics,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._client = client
+        self._connector = connector
+        self._metrics = metrics
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._log = RateLimitedLogger(logger, clock)
+        self.transfer_mode = config.transfer_mode
+        self._probes: dict[str, asyncio.Task[None]] = {}
+        self._retired: dict[str, float] = {}  # url -> until when its heartbeats are ignored
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # -- sources -------------------------------------------------------------------------
+
+    def add_static(self) -> None:
+        for role, addresses in (
+            (Role.PREFILL, self._config.prefill),
+            (Role.DECODE, self._config.decode),
+        ):
+            for address in addresses:
+                self._admit(Endpoint(role=role, address=address, source=Source.STATIC))
+
+    def heartbeat(self, registration: Registration) -> str:
+        """Apply one registration message; returns the outcome label."""
+        url = registration.address.url
+        if self._is_retired(url):
+            return "retired"
+        if not self._mode_matches(registration.address):
+            self._log.warning(
+                "mode:" + url,
+                "refused %s: transfer mode %s, deployment uses %s",
+                url,
+                registration.address.transfer_mode,
+                self.transfer_mode,
+            )
+            return "refused"
+        existing = self._registry.get(url)
+        if existing is not None and existing.source is not Source.REGISTERED:
+            existing.last_seen = self._wall_clock()
+            return "accepted"
+        if (
+            existing is None
+            or existing.address != registration.address
+            or existing.role is not registration.role
+        ):
+            self._admit(
+                Endpoint(
+                    role=registration.role, address=registration.address, source=Source.REGISTERED
+                )
+            )
+            logger.info("registered %s %s (%s)", registration.role.value, url, registration.format)
+        self._registry.touch(url, self._config.registry.ttl, self._wall_clock())
+        return "accepted"
+
+    async def add_admin(self, role: Role, address: EngineAddress) -> Endpoint:
+        """Admit an instance for the admin API; raises ``AdminError`` (409, 400)."""
+        if self._registry.get(address.url) is not None:
+            raise AdminError(409, f"instance {address.host_port} is already registered")
+        if not self._mode_matches(address):
+            raise AdminError(
+                400,
+                f"transfer mode {address.transfer_mode} does not match the deployment's "
+                f"{self.transfer_mode}",
+            )
+        endpoint = Endpoint(
+            role=role, address=address, source=Source.ADMIN, state=EndpointState.PENDING
+        )
+        problem = await self._check(endpoint, require_reachable=True)
+        if problem is not None:
+            raise AdminError(400, problem)
+        if self._registry.get(address.url) is not None:  # raced with a heartbeat
+            raise AdminError(409, f"instance {address.host_port} is already registered")
+        self._retired.pop(address.url, None)
+        endpoint.state = EndpointState.READY
+        self._registry.add(endpoint)
+        logger.info("admin added %s %s", role.value, address.url)
+        return endpoint
+
+    def drain(self, url: str) -> Endpoint:
+        """No new requests for ``url``; it leaves the registry once its in-flight legs end."""
+        endpoint = self._registry.get(url)
+        if endpoint is None:
+            raise AdminError(404, "no such instance")
+        self._registry.set_state(url, EndpointState.DRAINING)
+        if endpoint.source is Source.REGISTERED:
+            self._retired[url] = self._clock() + self._config.registry.ttl
+        logger.info("draining %s (%d in flight)", url, endpoint.in_flight)
+        self._finish_drains()
+        return endpoint
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def aclose(self) -> None:
+        tasks = [t for t in (self._sweeper, *self._probes.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def sweep(self) -> None:
+        """Expire silent instances, finish drains, retry pending probes."""
+        for endpoint in self._registry.expire():
+            logger.info(
+                "expired %s %s: no heartbeat for %.1f s",
+                endpoint.role.value,
+                endpoint.url,
+                self._config.registry.ttl,
+            )
+        self._finish_drains()
+        now = self._clock()
+        self._retired = {u: t for u, t in self._retired.items() if t > now}
+        for endpoint in self._registry.all():
+            if endpoint.state is EndpointState.PENDING:
+                self._probe_in_background(endpoint)
+        self._update_gauges()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.registry.sweep_interval)
+            try:
+                self.sweep()
+            except Exception:  # the sweeper must outlive any one bad entry
+                logger.exception("registry sweep failed")
+
+    # -- admission -----------------------------------------------------------------------
+
+    def _admit(self, endpoint: Endpoint) -> None:
+        if self._needs_probe(endpoint):
+            endpoint.state = EndpointState.PENDING
+            self._registry.add(endpoint)
+            self._probe_in_background(endpoint)
+        else:
+            self._registry.add(endpoint)
+        if self.transfer_mode is None and endpoint.address.transfer_mode is not None:
+            self.transfer_mode = endpoint.address.transfer_mode
+            logger.info("transfer mode fixed to %s by %s", self.transfer_mode, endpoint.url)
+
+    def _needs_probe(self, endpoint: Endpoint) -> bool:
+        model_check = self._config.model is not None and endpoint.source is not Source.STATIC
+        return model_check or self._bootstrap_url(endpoint) is not None
+
+    def _bootstrap_url(self, endpoint: Endpoint) -> str | None:
+        if endpoint.role is not Role.PREFILL:
+            return None
+        return self._connector.prefill_bootstrap_url(endpoint.address)
+
+    def _probe_in_background(self, endpoint: Endpoint) -> None:
+        if endpoint.url in self._probes:
+            return
+        task = asyncio.create_task(self._probe(endpoint))
+        self._probes[endpoint.url] = task
+        task.add_done_callback(lambda _: self._probes.pop(endpoint.url, None))
+
+    async def _probe(self, endpoint: Endpoint) -> None:
+        problem = await self._check(endpoint, require_reachable=False)
+        if self._registry.get(endpoint.url) is not endpoint:
+            return  # replaced or removed while probing
+        if problem is None:
+            self._registry.set_state(endpoint.url, EndpointState.READY)
+            logger.info("%s %s is routable", endpoint.role.value, endpoint.url)
+        elif problem:
+            self._registry.remove(endpoint.url)
+            self._log.warning("probe:" + endpoint.url, "refused %s: %s", endpoint.url, problem)
+
+    async def _check(self, endpoint: Endpoint, *, require_reachable: bool) -> str | None:
+        """None when admissible; a reason when refused; "" when unreachable (retry later)."""
+        try:
+            if self._config.model is not None or require_reachable:
+                problem = await self._check_model(endpoint)
+                if problem:
+                    return problem
+            bootstrap = self._bootstrap_url(endpoint)
+            if bootstrap is not None:
+                answer = await self._client.get_json(bootstrap)
+                endpoint.engine_ids = self._connector.parse_bootstrap(answer)
+        except (UpstreamError, ValueError) as exc:
+            if require_reachable:
+                return f"instance did not answer its probe: {exc}"
+            return ""
+        return None
+
+    async def _check_model(self, endpoint: Endpoint) -> str | None:
+        answer: Any = await self._client.get_json(endpoint.url + "/v1/models")
+        served = [m.get("id") for m in answer.get("data", [])] if isinstance(answer, dict) else []
+        endpoint.models = tuple(m for m in served if isinstance(m, str))
+        if self._config.model is not None and self._config.model not in endpoint.models:
+            return f"serves {list(endpoint.models)}, not model {self._config.model!r}"
+        return None
+
+    def _mode_matches(self, address: EngineAddress) -> bool:
+        mode = address.transfer_mode
+        return mode is None or self.transfer_mode is None or mode == self.transfer_mode
+
+    def _is_retired(self, url: str) -> bool:
+        until = self._retired.get(url)
+        if until is None:
+            return False
+        # Heartbeats keep a retired instance retired; silence for a TTL forgets it.
+        self._retired[url] = self._clock() + self._config.registry.ttl
+        return True
+
+    def _finish_drains(self) -> None:
+        for endpoint in self._registry.all():
+            if endpoint.state is EndpointState.DRAINING and endpoint.in_flight == 0:
+                self._registry.remove(endpoint.url)
+                logger.info("drained and removed %s", endpoint.url)
+
+    def _update_gauges(self) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for endpoint in self._registry.all():
+            key = (endpoint.role.value, endpoint.state.value)
+            counts[key] = counts.get(key, 0) + 1
+        for role in Role:
+            for state in EndpointState:
+                self._metrics.endpoints.labels(role.value, state.value).set(
+                    counts.get((role.value, state.value), 0)
+                )

@@ -1,0 +1,76 @@
+"""`python -m engines.sim` runs standalone; --help documents every flag."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+
+from engines.sim.cli import build_parser, config_from_args
+
+
+def test_help_documents_every_flag():
+    out = subprocess.run(
+        [sys.executable, "-m", "engines.sim", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    for action in build_parser()._actions:
+        assert action.help, action.dest
+        for flag in action.option_strings:
+            assert flag in out
+
+
+def test_flags_map_to_config():
+    args = build_parser().parse_args(
+        [
+            "--role",
+            "prefill",
+            "--connector",
+            "example",
+            "--kv-dir",
+            "/tmp/x",
+            "--strict",
+            "--engine-id",
+            "e1",
+            "--fault-status",
+            "503",
+            "--decode-tps",
+            "5",
+        ]
+    )
+    cfg = config_from_args(args)
+    assert (cfg.role, cfg.connector, cfg.kv_dir, cfg.strict) == (
+        "prefill",
+        "example",
+        "/tmp/x",
+        True,
+    )
+    assert cfg.engine_id == "e1" and cfg.faults.status == 503 and cfg.decode_tps == 5
+
+
+async def test_standalone_process_serves_and_stops(session):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "engines.sim",
+        "--port",
+        "0",
+        "--role",
+        "prefill",
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        line = await asyncio.wait_for(proc.stderr.readline(), 20)
+        match = re.search(rb"listening on (http://\S+) \(kv port (\d+)\)", line)
+        assert match, line
+        async with session.get(match.group(1).decode() + "/health") as resp:
+            assert resp.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
