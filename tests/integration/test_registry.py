@@ -1,0 +1,265 @@
+"""The ZMQ registry with real DEALER sockets sending vLLM's exact payloads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import aiohttp
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from engines.sim import SimConfig, running_sim
+from pdproxy.config import ProxyConfig, RegistryConfig
+from pdproxy.types import EndpointState
+from tests.integration.conftest import MODEL
+from tests.servers import running_proxy
+
+TTL, SWEEP = 0.6, 0.1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def registry_proxy(**overrides):
+    port = _free_port()
+    config = ProxyConfig(
+        registry=RegistryConfig(port=port, host="127.0.0.1", ttl=TTL, sweep_interval=SWEEP),
+        **overrides,
+    )
+    async with running_proxy(config) as proxy:
+        yield proxy, f"tcp://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def dealer(endpoint: str):
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def p2p(kind: str, sim) -> bytes:
+    return msgpack.dumps(
+        {
+            "type": kind,
+            "http_address": f"127.0.0.1:{sim.port}",
+            "zmq_address": f"127.0.0.1:{sim.kv_port}",
+        }
+    )
+
+
+def moriio(kind: str, sim, mode="READ") -> bytes:
+    return msgpack.dumps(
+        {
+            "type": kind,
+            "http_address": f"127.0.0.1:{sim.port}",
+            "zmq_address": f"host:127.0.0.1,handshake:{sim.kv_port},notify:{sim.kv_port}",
+            "dp_size": 1,
+            "tp_size": 1,
+            "transfer_mode": mode,
+        }
+    )
+
+
+async def _until(predicate, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.monotonic()
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+async def _complete(url: str):
+    body = {"model": MODEL, "prompt": "registry test prompt", "max_tokens": 4}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+        return r.status, await r.json()
+
+
+async def test_empty_proxy_answers_503_until_registered_then_expires():
+    async with (
+        registry_proxy() as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+        dealer(endpoint) as sock_p,
+        dealer(endpoint) as sock_d,
+    ):
+        status, body = await _complete(proxy.url)
+        assert status == 503 and body["error"]["type"] == "ServiceUnavailableError"
+        registry = proxy.state.registry
+        for _ in range(2):  # a register is also a heartbeat: idempotent
+            await sock_p.send(p2p("P", p))
+            await sock_d.send(p2p("D", d))
+        await _until(
+            lambda: len(registry.snapshot().prefill) == 1 and len(registry.snapshot().decode) == 1
+        )
+        assert len(registry) == 2
+        status, body = await _complete(proxy.url)
+        assert status == 200 and body["choices"][0]["text"]
+        (entry,) = registry.snapshot().prefill
+        assert entry.address.zmq_address == f"127.0.0.1:{p.kv_port}" and entry.last_seen is not None
+        # heartbeats keep it alive past the TTL
+        for _ in range(4):
+            await asyncio.sleep(TTL / 3)
+            await sock_p.send(p2p("P", p))
+            await sock_d.send(p2p("D", d))
+        assert len(registry) == 2
+        stopped = time.monotonic()
+        gone = await _until(lambda: len(registry) == 0, timeout=TTL + 1)
+        assert gone - stopped <= TTL + SWEEP + 0.15
+        status, _ = await _complete(proxy.url)
+        assert status == 503
+
+
+async def test_garbage_flood_leaves_proxy_serving(caplog):
+    caplog.set_level(logging.WARNING, logger="pdproxy")
+    async with (
+        registry_proxy() as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+        dealer(endpoint) as sock,
+        dealer(endpoint) as attacker,
+        dealer(endpoint) as oversized,
+    ):
+        garbage = [
+            b"\xc1\xc1",
+            b"",
+            msgpack.dumps([1]),
+            msgpack.dumps({"type": "nope"}),
+            b"y" * 1000,
+        ]
+        for i in range(2000):
+            await attacker.send(garbage[i % len(garbage)])
+        await attacker.send_multipart([b"a", b"b", b"c"])
+        await oversized.send(b"x" * 200_000)  # past MAXMSGSIZE: libzmq drops that peer
+        await sock.send(msgpack.dumps({"type": "HELLO"}))
+        await sock.send(p2p("P", p))
+        await sock.send(p2p("D", d))
+        registry = proxy.state.registry
+        await _until(lambda: len(registry.snapshot().decode) == 1, timeout=5)
+        status, _ = await _complete(proxy.url)
+        assert status == 200
+        metrics = proxy.state.metrics.registry_messages
+        assert metrics.labels("malformed")._value.get() >= 1000
+        assert metrics.labels("ignored")._value.get() == 1
+        warnings = [r for r in caplog.records if "registry" in r.getMessage()]
+        assert 1 <= len(warnings) <= 5  # rate-limited, not one line per bad frame
+
+
+async def test_transfer_mode_mismatch_is_refused():
+    async with (
+        registry_proxy(kv_connector="moriio") as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+        dealer(endpoint) as sock,
+    ):
+        await sock.send(moriio("P", p, "READ"))
+        registry = proxy.state.registry
+        await _until(lambda: len(registry) == 1)
+        await sock.send(moriio("D", d, "WRITE"))
+        await _until(
+            lambda: proxy.state.metrics.registry_messages.labels("refused")._value.get() == 1
+        )
+        assert len(registry) == 1 and proxy.state.membership.transfer_mode == "READ"
+
+
+async def test_fixed_transfer_mode_refuses_first_registration_too():
+    async with (
+        registry_proxy(kv_connector="moriio", transfer_mode="WRITE") as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        dealer(endpoint) as sock,
+    ):
+        await sock.send(moriio("P", p, "READ"))
+        await _until(
+            lambda: proxy.state.metrics.registry_messages.labels("refused")._value.get() == 1
+        )
+        assert len(proxy.state.registry) == 0
+
+
+async def test_model_mismatch_is_refused_and_match_needs_probe():
+    async with (
+        registry_proxy(model=MODEL) as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as good,
+        running_sim(SimConfig(role="decode", model="other-model")) as bad,
+        dealer(endpoint) as sock,
+    ):
+        registry = proxy.state.registry
+        await sock.send(p2p("P", good))
+        await sock.send(p2p("D", bad))
+        await _until(lambda: len(registry.snapshot().prefill) == 1)
+        (entry,) = registry.snapshot().prefill
+        assert entry.models == (MODEL,) and entry.state is EndpointState.READY
+        assert any(r.path == "/v1/models" for r in good.requests)
+        await _until(
+            lambda: (
+                registry.get(bad.url) is None and any(r.path == "/v1/models" for r in bad.requests)
+            )
+        )
+        await asyncio.sleep(0.1)
+        assert registry.snapshot().decode == ()
+
+
+async def test_legacy_moriio_registration_routes():
+    async with (
+        registry_proxy(kv_connector="moriio") as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        dealer(endpoint) as sock,
+    ):
+        await sock.send(msgpack.dumps({"type": "HELLO"}))
+        await sock.send(
+            msgpack.dumps(
+                {
+                    "type": "register",
+                    "role": "P",
+                    "request_address": f"http://127.0.0.1:{p.port}/v1/completions",
+                    "handshake_port": 6301,
+                    "notify_port": 61005,
+                    "dp_size": 2,
+                    "tp_size": 1,
+                    "transfer_mode": "WRITE",
+                }
+            )
+        )
+        registry = proxy.state.registry
+        await _until(lambda: len(registry.snapshot().prefill) == 1)
+        (entry,) = registry.snapshot().prefill
+        assert entry.address.zmq_address == "host:127.0.0.1,handshake:6301,notify:61005"
+        assert entry.dp_size == 2 and proxy.state.membership.transfer_mode == "WRITE"
+
+
+@pytest.mark.parametrize("ttl", [0.3])
+async def test_static_instances_never_expire(ttl):
+    async with (
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+    ):
+        from pdproxy.types import EngineAddress
+
+        config = ProxyConfig(
+            prefill=(EngineAddress(url=p.url),),
+            decode=(EngineAddress(url=d.url),),
+            registry=RegistryConfig(
+                port=_free_port(), host="127.0.0.1", ttl=ttl, sweep_interval=0.05
+            ),
+        )
+        async with running_proxy(config) as proxy:
+            await asyncio.sleep(ttl * 3)
+            assert len(proxy.state.registry.snapshot().prefill) == 1
+            status, _ = await _complete(proxy.url)
+            assert status == 200
