@@ -88,18 +88,25 @@ def verdict(scenario: Scenario, row: dict[str, float]) -> str:
     return "; ".join(checks)
 
 
+COLUMNS = (
+    ("req/s direct", "direct_rps", "{:.0f}"),
+    ("req/s proxied", "proxied_rps", "{:.0f}"),
+    ("TTFT p50 direct", "direct_p50", "{:.2f} ms"),
+    ("TTFT p50 proxied", "proxied_p50", "{:.2f} ms"),
+    ("TTFT p99 direct", "direct_p99", "{:.2f} ms"),
+    ("TTFT p99 proxied", "proxied_p99", "{:.2f} ms"),
+    ("added TTFT p50", "added_p50", "{:+.2f} ms"),
+    ("proxy CPU/request", "cpu_ms", "{:.3f} ms"),
+    ("errors", "errors", "{:.0f}"),
+)
+
+
 def table(rows: list[tuple[Scenario, dict[str, float]]]) -> str:
-    lines = [
-        "| scenario | req/s direct | req/s proxied | TTFT p50 direct | TTFT p50 proxied "
-        "| TTFT p99 direct | TTFT p99 proxied | added TTFT p50 | proxy CPU/request | errors | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["scenario", *(title for title, _, _ in COLUMNS), "target"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s, r in rows:
-        lines.append(
-            f"| {s.name} | {r['direct_rps']:.0f} | {r['proxied_rps']:.0f} | {r['direct_p50']:.2f} ms "
-            f"| {r['proxied_p50']:.2f} ms | {r['direct_p99']:.2f} ms | {r['proxied_p99']:.2f} ms "
-            f"| {r['added_p50']:+.2f} ms | {r['cpu_ms']:.3f} ms | {r['errors']:.0f} | {verdict(s, r)} |"
-        )
+        cells = [s.name, *(fmt.format(r[key]) for _, key, fmt in COLUMNS), verdict(s, r)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -111,9 +118,8 @@ async def main_async(names: list[str] | None) -> None:
                 continue
             rows.append((scenario, await measure(scenario, logdir)))
             print(f"done: {scenario.name}", flush=True)
-    print(
-        f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}\n"
-    )
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    print(f"\nmachine: {machine}\n")
     print(table(rows))
 
 

@@ -66,7 +66,7 @@ async def test_output_equals_single_engine_and_kv_moved(nixl_2p2d, kind, stream)
     d = nixl_2p2d
     for _ in range(4):  # round robin visits every P and D
         body = _body(kind, stream)
-        status, ctype, text, raw, _ = await _call(d.proxy.url, kind, body)
+        status, ctype, text, _raw, _ = await _call(d.proxy.url, kind, body)
         ref_status, _, ref_text, _, _ = await _call(d.single.url, kind, body)
         assert status == ref_status == 200
         assert text and text == ref_text
