@@ -1,0 +1,192 @@
+"""`make run`: pdproxy in front of one prefill and one decode engine on this machine.
+
+``--engines real`` (the default) starts two vLLM CPU engines with the NIXL connector (first
+run installs vLLM's CPU build and builds a tiny model, a few minutes); ``--engines sim``
+uses two simulated engines. Then pdproxy starts, one demo request goes through it (the
+answer and where the decode's KV came from are printed), and everything serves until
+Ctrl-C, which stops all of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+PROMPT = "In a disaggregated deployment, the prefill engine computes the prompt's KV cache and"
+
+
+@dataclass
+class Engines:
+    prefill_url: str
+    decode_url: str
+    model: str
+    connector: str
+
+
+def _log(msg: str) -> None:
+    print(f"[make run] {msg}", flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return str(r.read().decode())
+
+
+def _wait_healthy(
+    url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 60.0
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with status {proc.returncode}")
+        with contextlib.suppress(OSError):
+            _get(url + "/health")
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not become healthy in {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def _process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(args, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def sim_engines() -> Iterator[Engines]:
+    p_port, d_port = _free_port(), _free_port()
+    common = [sys.executable, "-m", "engines.sim", "--connector", "nixl", "--log-level", "warning"]
+    with (
+        _process([*common, "--role", "prefill", "--port", str(p_port)]) as p,
+        _process([*common, "--role", "decode", "--port", str(d_port)]) as d,
+    ):
+        urls = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+        for url, proc in zip(urls, (p, d), strict=True):
+            _wait_healthy(url, proc)
+        _log(f"simulated engines up: prefill {urls[0]}, decode {urls[1]}")
+        yield Engines(urls[0], urls[1], "sim-model", "nixl")
+
+
+@contextlib.contextmanager
+def real_engines() -> Iterator[Engines]:
+    from engines.vllm.launch import vllm_engines
+
+    _log("starting a real vLLM CPU prefill and decode engine (NIXL); the first run installs vLLM")
+    with vllm_engines(connector="nixl") as pair:
+        yield Engines(pair.prefill_url, pair.decode_url, pair.model, "nixl")
+
+
+def _kv_tokens(decode_url: str) -> dict[str, float]:
+    """The decode's prompt tokens by source, from its own vLLM metrics."""
+    out = {"external_kv_transfer": 0.0, "local_compute": 0.0}
+    for line in _get(decode_url + "/metrics").splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            for source in out:
+                if f'source="{source}"' in line:
+                    out[source] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def demo_request(proxy_url: str, engines: Engines) -> None:
+    before = _kv_tokens(engines.decode_url)
+    body = {"model": engines.model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    request = urllib.request.Request(
+        proxy_url + "/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as r:
+        answer = json.loads(r.read())
+    after = _kv_tokens(engines.decode_url)
+    moved = after["external_kv_transfer"] - before["external_kv_transfer"]
+    local = after["local_compute"] - before["local_compute"]
+    _log(f"demo request: {PROMPT!r}")
+    _log(f"answer: {answer['choices'][0]['text']!r}")
+    _log(
+        f"decode's prompt tokens: {moved:.0f} arrived as KV from the prefill, {local:.0f} recomputed"
+    )
+
+
+def print_examples(proxy_url: str, model: str) -> None:
+    print(
+        f"""
+pdproxy is serving on {proxy_url} (Ctrl-C stops pdproxy and the engines).
+
+  curl -s {proxy_url}/v1/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "prompt": "The KV cache", "max_tokens": 16}}'
+
+  curl -sN {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}'
+
+  python - <<'PY'
+  from openai import OpenAI
+  client = OpenAI(base_url="{proxy_url}/v1", api_key="unused")
+  answer = client.completions.create(model="{model}", prompt="The KV cache", max_tokens=16)
+  print(answer.choices[0].text)
+  PY
+""",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engines", choices=("real", "sim"), default="real")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PDPROXY_PORT", "8000")))
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    engines_cm = real_engines() if args.engines == "real" else sim_engines()
+    try:
+        with engines_cm as engines:
+            proxy_url = f"http://127.0.0.1:{args.port}"
+            proxy_args = [
+                sys.executable,
+                "-m",
+                "pdproxy",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(args.port),
+                "--prefill",
+                engines.prefill_url,
+                "--decode",
+                engines.decode_url,
+                "--kv-connector",
+                engines.connector,
+            ]
+            with _process(proxy_args) as proxy:
+                _wait_healthy(proxy_url, proxy)
+                demo_request(proxy_url, engines)
+                print_examples(proxy_url, engines.model)
+                proxy.wait()
+    except KeyboardInterrupt:
+        _log("stopping")
+
+
+if __name__ == "__main__":
+    main()
