@@ -127,9 +127,7 @@ def demo_request(proxy_url: str, engines: Engines) -> None:
     local = after["local_compute"] - before["local_compute"]
     _log(f"demo request: {PROMPT!r}")
     _log(f"answer: {answer['choices'][0]['text']!r}")
-    _log(
-        f"decode's prompt tokens: {moved:.0f} arrived as KV from the prefill, {local:.0f} recomputed"
-    )
+    _log(f"decode's prompt tokens: {moved:.0f} came as KV from the prefill, {local:.0f} recomputed")
 
 
 def print_examples(proxy_url: str, model: str) -> None:
