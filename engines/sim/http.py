@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -37,6 +37,7 @@ class ServerState:
     handler: Callable[[Request], None]
     keep_alive_s: float
     connections: set[Connection] = field(default_factory=set)
+    stopping: bool = False
 
 
 class Connection(asyncio.Protocol):
@@ -60,8 +61,7 @@ class Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
         self.state.connections.add(self)
         self._arm_idle()
 
@@ -103,6 +103,10 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
+    def on_headers_complete(self) -> None:
+        if self._headers.get("expect", "").lower() == "100-continue" and self.transport:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
 
@@ -117,8 +121,12 @@ class Connection(asyncio.Protocol):
 
     # response API for handlers
     def send(
-        self, status: int, body: bytes, content_type: str = "application/json",
-        headers: tuple[tuple[str, str], ...] = (), close: bool = False,
+        self,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+        headers: tuple[tuple[str, str], ...] = (),
+        close: bool = False,
     ) -> None:
         """Write one complete response and move on to the next request."""
         if self.closed or self.transport is None:
@@ -152,7 +160,7 @@ class Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a request's coroutine as this connection's task (cancelled on disconnect)."""
         self.task = asyncio.get_running_loop().create_task(coro)
 

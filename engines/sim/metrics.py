@@ -62,12 +62,36 @@ def render(c: Counters, g: Gauges, model: str) -> str:
     add = _adder(out, labels)
     add("vllm:num_requests_running", "gauge", "Requests in model execution batches.", g.running)
     add("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", g.waiting)
-    add("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage)
-    add("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", c.prompt_tokens)
-    add("vllm:generation_tokens_total", "counter", "Number of generation tokens.", c.generation_tokens)
-    add("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in tokens.",
-        c.prefix_cache_queries)
-    add("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens.", c.prefix_cache_hits)
+    add(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        g.kv_usage,
+    )
+    add(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        c.prompt_tokens,
+    )
+    add(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens.",
+        c.generation_tokens,
+    )
+    add(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in tokens.",
+        c.prefix_cache_queries,
+    )
+    add(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in tokens.",
+        c.prefix_cache_hits,
+    )
     _by_source(out, labels, c)
     _finished(out, labels, c)
     for name, attr, help_text in _SIM_COUNTERS:

@@ -7,6 +7,7 @@ was handed another request's KV produces different words.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterator, Sequence
@@ -15,16 +16,19 @@ KV_BYTES_PER_TOKEN = 32
 _SEED = b"pdproxy-sim-kv-v1"
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
 
-VOCAB: tuple[str, ...] = tuple(
-    """alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november
-    oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu red orange
-    yellow green blue indigo violet amber black white silver gold copper iron stone river
-    mountain valley forest desert ocean island harbor bridge tower garden meadow canyon glacier
-    thunder rain snow wind cloud storm sun moon star comet planet orbit rocket engine signal
-    packet socket stream buffer kernel thread cache block token prefill decode proxy""".split()
+_WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu red orange "
+    "yellow green blue indigo violet amber black white silver gold copper iron stone river "
+    "mountain valley forest desert ocean island harbor bridge tower garden meadow canyon glacier "
+    "thunder rain snow wind cloud storm sun moon star comet planet orbit rocket engine signal "
+    "packet socket stream buffer kernel thread cache block token prefill decode proxy"
 )
+VOCAB: tuple[str, ...] = tuple(_WORDS.split())
+_VOCAB_BYTES: tuple[bytes, ...] = tuple(w.encode() for w in VOCAB)
 
 
+@functools.lru_cache(maxsize=65536)  # a pure function; the cache only saves hashing
 def token_id(word: str) -> int:
     """A stable id for one word (not Python's salted hash)."""
     digest = hashlib.blake2b(word.encode(), digest_size=4).digest()
@@ -57,10 +61,11 @@ def compute_kv(tokens: Sequence[int]) -> list[bytes]:
 def decode_words(last_kv: bytes) -> Iterator[str]:
     """The endless stream of generated words after a prompt whose last KV entry is last_kv."""
     state = last_kv
+    n, blake, size = len(VOCAB), hashlib.blake2b, KV_BYTES_PER_TOKEN
     while True:
-        word = VOCAB[int.from_bytes(state[:4], "big") % len(VOCAB)]
-        yield word
-        state = hashlib.blake2b(state + word.encode(), digest_size=KV_BYTES_PER_TOKEN).digest()
+        i = int.from_bytes(state[:4], "big") % n
+        yield VOCAB[i]
+        state = blake(state + _VOCAB_BYTES[i], digest_size=size).digest()
 
 
 def pack_blocks(kv: Sequence[bytes], block_size: int) -> list[bytes]:

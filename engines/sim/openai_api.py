@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,20 +39,23 @@ class GenRequest:
 
 
 def parse(
-    kind: Kind, raw: bytes, headers: dict[str, str], served_model: str,
-    max_model_len: int, dp_size: int,
+    kind: Kind,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    served_model: str,
+    max_model_len: int,
+    dp_size: int,
 ) -> GenRequest:
-    """Validate a request body and headers; raises ApiError as vLLM would answer."""
-    body = _load_json(raw)
+    """Validate a request body (see load_json) and headers; raises ApiError like vLLM."""
     name = body.get("model")
     if name is not None and name != served_model:
         raise ApiError(404, f"The model `{name}` does not exist.")
     dp_rank = _dp_rank(headers, dp_size)
     tokens = _prompt_tokens(kind, body)
-    base = headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
+    base = headers.get("x-request-id") or str(body.get("request_id") or uuid.uuid4().hex)
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     resp_id = f"{prefix}-{base}"
-    suffix = uuid.uuid4().hex[:8]
+    suffix = os.urandom(4).hex()
     internal = f"{resp_id}-0-{suffix}" if kind == "completion" else f"{resp_id}-{suffix}"
     stream = _bool(body, "stream")
     opts = body.get("stream_options") or {}
@@ -61,15 +65,22 @@ def parse(
     if kvp is not None and not isinstance(kvp, dict):
         raise ApiError(400, "kv_transfer_params must be an object")
     return GenRequest(
-        kind=kind, body=body, model=served_model, prompt_tokens=tokens,
+        kind=kind,
+        body=body,
+        model=served_model,
+        prompt_tokens=tokens,
         max_tokens=_max_tokens(kind, body, len(tokens), max_model_len),
-        stream=stream, include_usage=stream and bool(opts.get("include_usage")),
-        stop=_stop(body), response_id=resp_id, internal_id=internal,
-        kv_transfer_params=kvp, dp_rank=dp_rank,
+        stream=stream,
+        include_usage=stream and bool(opts.get("include_usage")),
+        stop=_stop(body),
+        response_id=resp_id,
+        internal_id=internal,
+        kv_transfer_params=kvp,
+        dp_rank=dp_rank,
     )
 
 
-def _load_json(raw: bytes) -> dict[str, Any]:
+def load_json(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -116,7 +127,9 @@ def _completion_prompt(prompt: Any) -> list[int]:
     elif prompt is None:
         raise ApiError(400, "prompt: Field required")
     else:
-        raise ApiError(400, "prompt must be a string, a list of token ids, or one of those in a list")
+        raise ApiError(
+            400, "prompt must be a string, a list of token ids, or one of those in a list"
+        )
     if not tokens:
         raise ApiError(400, "The prompt cannot be empty.")
     return tokens
@@ -138,7 +151,7 @@ def _max_tokens(kind: Kind, body: dict[str, Any], n_prompt: int, max_model_len: 
     if value is None:
         return room
     if type(value) is not int or value < 1:
-        raise ApiError(400, "max_tokens must be at least 1, got %r." % (value,))
+        raise ApiError(400, f"max_tokens must be at least 1, got {value!r}.")
     return value
 
 

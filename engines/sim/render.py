@@ -34,37 +34,56 @@ def usage(req: GenRequest, out: Outcome) -> dict[str, Any]:
     }
 
 
+_MESSAGE_EXTRAS: dict[str, Any] = {
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+    "tool_calls": [],
+    "reasoning_content": None,
+}
+
+
 def full_body(req: GenRequest, out: Outcome) -> bytes:
     """The non-streaming response."""
+    ends: dict[str, Any] = {
+        "logprobs": None,
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+    }
     if req.kind == "completion":
-        choice: dict[str, Any] = {
-            "index": 0, "text": out.text, "logprobs": None,
-            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-            "prompt_logprobs": None,
-        }
+        choice: dict[str, Any] = {"index": 0, "text": out.text, **ends, "prompt_logprobs": None}
         obj = "text_completion"
     else:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": out.text, "refusal": None,
-                        "annotations": None, "audio": None, "function_call": None,
-                        "tool_calls": [], "reasoning_content": None},
-            "logprobs": None, "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason,
-        }
+        message = {"role": "assistant", "content": out.text, **_MESSAGE_EXTRAS}
+        choice = {"index": 0, "message": message, **ends}
         obj = "chat.completion"
-    return orjson.dumps({
-        "id": req.response_id, "object": obj, "created": req.created, "model": req.model,
-        "choices": [choice], "service_tier": None, "system_fingerprint": None,
-        "usage": usage(req, out), "prompt_logprobs": None,
-        "kv_transfer_params": out.kv_transfer_params,
-    })
+    data: dict[str, Any] = {
+        "id": req.response_id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage(req, out),
+    }
+    if req.kind == "chat":
+        data["prompt_logprobs"] = None  # chat has it top-level, completions per choice
+    data["kv_transfer_params"] = out.kv_transfer_params
+    return orjson.dumps(data)
 
 
 def _chunk(req: GenRequest, choices: list[dict[str, Any]], **extra: Any) -> bytes:
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    data = {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": choices, **extra}
+    data = {
+        "id": req.response_id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "choices": choices,
+        **extra,
+    }
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
@@ -75,16 +94,23 @@ def role_chunk(req: GenRequest) -> bytes:
 
 
 def token_chunk(
-    req: GenRequest, text: str, finish: str | None = None, stop_reason: str | None = None,
+    req: GenRequest,
+    text: str,
+    finish: str | None = None,
+    stop_reason: str | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> bytes:
     """One streamed token; the last one carries finish_reason (and P's kv_transfer_params)."""
     if req.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
-                                  "finish_reason": finish, "stop_reason": stop_reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        }
     else:
-        choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop_reason
     if finish is not None and kv_transfer_params is not None:
@@ -103,8 +129,9 @@ def stream_all(req: GenRequest, pieces: list[str], out: Outcome) -> bytes:
     last = len(pieces) - 1
     for i, piece in enumerate(pieces):
         if i == last:
-            parts.append(token_chunk(req, piece, out.finish_reason, out.stop_reason,
-                                     out.kv_transfer_params))
+            parts.append(
+                token_chunk(req, piece, out.finish_reason, out.stop_reason, out.kv_transfer_params)
+            )
         else:
             parts.append(token_chunk(req, piece))
     if req.include_usage:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 
 from engines.sim import SimConfig, running_sim
-from tests.sim.helpers import CHAT, COMPLETIONS, MODEL, body_for, post, sse_events, text_of
+from tests.sim.helpers import CHAT, COMPLETIONS, MODEL, body_for, post, prefill, sse_events, text_of
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
@@ -188,8 +190,6 @@ async def test_missing_model_uses_the_served_model(session):
 
 
 async def test_expect_continue_and_pipelining():
-    import asyncio
-
     async with running_sim(SimConfig()) as sim:
         reader, writer = await asyncio.open_connection("127.0.0.1", sim.port)
         body = b'{"prompt": "hi", "max_tokens": 1}'
@@ -204,3 +204,33 @@ async def test_expect_continue_and_pipelining():
             await reader.readexactly(length)
         writer.close()
         await writer.wait_closed()
+
+
+async def test_sim_counters_endpoint(session):
+    async with running_sim(SimConfig()) as sim:
+        await post(session, sim.url + COMPLETIONS, body_for(COMPLETIONS, 2))
+        async with session.get(sim.url + "/sim/counters") as resp:
+            data = orjson.loads(await resp.read())
+    assert data["generation_tokens"] == 2 and data["kv_port"] == sim.kv_port
+    assert data["running"] == 0 and data["kv_usage"] == 0
+
+
+async def test_exit_leaves_nothing_running(session):
+    async with running_sim(SimConfig(role="prefill", ttft_ms=5000)) as sim:
+        url, kv_port = sim.url, sim.kv_port
+        pending = asyncio.create_task(post(session, url + COMPLETIONS, body_for(COMPLETIONS)))
+        await asyncio.sleep(0.05)
+    await asyncio.gather(pending, return_exceptions=True)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    assert sim.generation_requests()[0].error == "aborted: server stopping"
+    for port in (sim.port, kv_port):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            continue
+        writer.close()
+        raise AssertionError(f"port {port} still accepts connections")
+    async with running_sim(SimConfig(role="prefill")) as p:
+        assert await prefill(session, p.url, COMPLETIONS, body_for(COMPLETIONS))
+        assert p.gauges().kv_usage > 0
+    assert p.gauges().kv_usage == 0  # held blocks and their lease timers released

@@ -63,7 +63,9 @@ def create(deps: ConnectorDeps) -> Connector:
     """Build the connector named by deps.config.connector."""
     target = CONNECTORS.get(deps.config.connector)
     if target is None:
-        raise ValueError(f"unknown connector {deps.config.connector!r}; known: {sorted(CONNECTORS)}")
+        raise ValueError(
+            f"unknown connector {deps.config.connector!r}; known: {sorted(CONNECTORS)}"
+        )
     module, _, cls = target.partition(":")
     factory: Any = getattr(importlib.import_module(module), cls)
     connector: Connector = factory(deps)

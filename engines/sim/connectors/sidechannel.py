@@ -53,13 +53,16 @@ async def serve(host: str, port: int, handler: Handler) -> asyncio.Server:
 
 async def request(host: str, port: int, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Send one request frame and return the reply; raises OSError/TimeoutError on failure."""
-    async with asyncio.timeout(timeout):
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            writer.write(encode_frame(msg))
-            await writer.drain()
-            return await read_frame(reader)
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+    return await asyncio.wait_for(_exchange(host, port, msg), timeout)
+
+
+async def _exchange(host: str, port: int, msg: dict[str, Any]) -> dict[str, Any]:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(encode_frame(msg))
+        await writer.drain()
+        return await read_frame(reader)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()

@@ -1,0 +1,5 @@
+from __future__ import annotations
+
+from engines.sim.cli import main
+
+main()

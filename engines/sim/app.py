@@ -1,0 +1,182 @@
+"""Routing and handlers: vLLM's OpenAI surface plus the /sim/* debug endpoints."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from engines.sim import generate, metrics, openai_api
+from engines.sim.config import Faults, SimConfig
+from engines.sim.engine import Engine
+from engines.sim.errors import ApiError, error_body
+from engines.sim.http import Request
+from engines.sim.records import Recorder, RequestRecord
+
+JSON = "application/json"
+NOT_FOUND = b'{"detail":"Not Found"}'
+NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
+
+
+class SimApp:
+    """The HTTP side of one sim engine; `on_faults` lets the server react (listener on/off)."""
+
+    def __init__(self, config: SimConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.recorder = Recorder(config.record_limit)
+        self.faults = config.faults
+        self.faults_set_at = time.monotonic()
+        self.on_faults: Callable[[Faults], None] = lambda faults: None
+        self.routes: dict[tuple[str, str], Callable[[Request], None]] = {
+            ("GET", "/health"): self.health,
+            ("GET", "/ping"): self.health,
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/metrics"): self.metrics,
+            ("GET", "/version"): self.version,
+            ("GET", "/sim/requests"): self.get_requests,
+            ("DELETE", "/sim/requests"): self.clear_requests,
+            ("GET", "/sim/faults"): self.get_faults,
+            ("POST", "/sim/faults"): self.post_faults,
+            ("DELETE", "/sim/faults"): self.delete_faults,
+            ("GET", "/sim/counters"): self.counters,
+        }
+
+    def set_faults(self, faults: Faults) -> None:
+        self.faults = faults
+        self.faults_set_at = time.monotonic()
+        self.on_faults(faults)
+
+    def handle(self, req: Request) -> None:
+        if req.path in openai_api.KIND_BY_PATH:
+            if req.method != "POST":
+                req.conn.send(405, NOT_ALLOWED)
+                return
+            self.generation(req)
+            return
+        route = self.routes.get((req.method, req.path))
+        if route is None:
+            known = any(path == req.path for _, path in self.routes)
+            req.conn.send(405 if known else 404, NOT_ALLOWED if known else NOT_FOUND)
+            return
+        if not req.path.startswith("/sim/"):
+            self.recorder.add(req.method, req.path, req.headers, None).complete()
+        route(req)
+
+    # OpenAI surface
+    def generation(self, http: Request) -> None:
+        rec = self.recorder.add(http.method, http.path, http.headers, None)
+        self.engine.counters.requests_received += 1
+        try:
+            body = openai_api.load_json(http.body)
+            rec.body = body
+            job = self._job(http, body, rec)
+        except ApiError as exc:
+            rec.fail(exc.status, exc.message)
+            http.conn.send(exc.status, exc.body())
+            return
+        if job is None:
+            return
+        if self.faults.hang:
+            generate.spawn(job, generate.serve_hang(job))
+        elif generate.can_inline(job):
+            generate.serve_inline(job)
+        else:
+            generate.spawn(job, generate.serve_async(job))
+
+    def _job(self, http: Request, body: dict[str, Any], rec: RequestRecord) -> generate.Job | None:
+        if self.faults.status is not None:
+            status = int(self.faults.status)
+            rec.fail(status, "fault: status")
+            http.conn.send(status, error_body(status, f"Simulated failure (HTTP {status})."))
+            return None
+        cfg = self.config
+        kind = openai_api.KIND_BY_PATH[http.path]
+        gen = openai_api.parse(kind, body, http.headers, cfg.model, cfg.max_model_len, cfg.dp_size)
+        violation = contract_violation(cfg, gen)
+        if violation:
+            self.engine.counters.contract_violations += 1
+            if cfg.strict:
+                raise ApiError(400, f"pdproxy-sim contract violation: {violation}")
+        return generate.Job(self.engine, http.conn, gen, rec, self.faults)
+
+    def health(self, req: Request) -> None:
+        slow = float(self.faults.slow_start_s)
+        if slow > 0 and time.monotonic() - self.faults_set_at < slow:
+            req.conn.send(503, b"")
+            return
+        req.conn.send(200, b"")
+
+    def models(self, req: Request) -> None:
+        card = {
+            "id": self.config.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": self.config.model,
+            "parent": None,
+            "max_model_len": self.config.max_model_len,
+            "permission": [],
+        }
+        req.conn.send(200, orjson.dumps({"object": "list", "data": [card]}))
+
+    def metrics(self, req: Request) -> None:
+        text = metrics.render(self.engine.counters, self.engine.gauges(), self.config.model)
+        req.conn.send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+    def version(self, req: Request) -> None:
+        req.conn.send(200, b'{"version":"0.33.0+sim"}')
+
+    # /sim debug endpoints
+    def get_requests(self, req: Request) -> None:
+        data = [r.as_dict() for r in self.recorder.all()]
+        req.conn.send(200, orjson.dumps(data))
+
+    def clear_requests(self, req: Request) -> None:
+        self.recorder.clear()
+        req.conn.send(200, b"{}")
+
+    def get_faults(self, req: Request) -> None:
+        req.conn.send(200, orjson.dumps(self.faults.as_dict()))
+
+    def post_faults(self, req: Request) -> None:
+        try:
+            faults = Faults.from_dict(openai_api.load_json(req.body))
+        except (ApiError, ValueError, TypeError) as exc:
+            req.conn.send(400, error_body(400, str(exc)))
+            return
+        req.conn.send(200, orjson.dumps(faults.as_dict()))
+        self.set_faults(faults)
+
+    def delete_faults(self, req: Request) -> None:
+        req.conn.send(200, orjson.dumps(Faults().as_dict()))
+        self.set_faults(Faults())
+
+    def counters(self, req: Request) -> None:
+        g = self.engine.gauges()
+        data = {
+            **self.engine.counters.as_dict(),
+            "running": g.running,
+            "waiting": g.waiting,
+            "kv_usage": g.kv_usage,
+            "kv_port": self.engine.connector.kv_port,
+        }
+        req.conn.send(200, orjson.dumps(data))
+
+
+def contract_violation(cfg: SimConfig, gen: openai_api.GenRequest) -> str | None:
+    """Why a prefill-leg request breaks the P-leg contract (PROTOCOLS.md 0.4), or None."""
+    remote_decode = bool((gen.kv_transfer_params or {}).get("do_remote_decode"))
+    if not remote_decode and cfg.role != "prefill":
+        return None
+    body = gen.body
+    if body.get("max_tokens") != 1:
+        return f"prefill leg must set max_tokens=1, got {body.get('max_tokens')!r}"
+    mct = body.get("max_completion_tokens")
+    if mct is not None and mct != 1:
+        return f"prefill leg must set max_completion_tokens=1, got {mct!r}"
+    if gen.stream:
+        return "prefill leg must not stream"
+    return None

@@ -1,0 +1,218 @@
+"""`pdproxy-sim` / `python -m engines.sim`: run one simulated vLLM engine standalone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from engines.sim.config import Faults, SimConfig
+from engines.sim.connectors import CONNECTORS
+from engines.sim.server import SimServer
+
+log = logging.getLogger("engines.sim")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdproxy-sim",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="A simulated vLLM engine (OpenAI API + KV connectors) for pdproxy tests.",
+    )
+    d = SimConfig()
+    add = p.add_argument
+    add("--host", default=d.host, help="Address the HTTP server binds to.")
+    add("--port", type=int, default=8000, help="HTTP port; 0 picks a free port.")
+    add("--model", default=d.model, help="Served model name.")
+    add("--max-model-len", type=int, default=d.max_model_len, help="Context length in tokens.")
+    add(
+        "--role",
+        choices=("prefill", "decode", "both"),
+        default=d.role,
+        help="Engine role in a PD deployment; both is a plain engine.",
+    )
+    add(
+        "--connector",
+        choices=sorted(CONNECTORS),
+        default=d.connector,
+        help="KV connector: nixl (pull over a TCP side channel) or example (shared dir).",
+    )
+    add(
+        "--engine-id",
+        default=None,
+        help="Engine id reported as remote_engine_id; unset means a random uuid4.",
+    )
+    _add_kv_flags(p, d)
+    _add_timing_flags(p, d)
+    _add_fault_flags(p)
+    add("--log-level", default="info", help="Logging level.")
+    return p
+
+
+def _add_kv_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
+    add = p.add_argument
+    add("--kv-host", default=d.kv_host, help="Side-channel bind address, reported as remote_host.")
+    add("--kv-port", type=int, default=d.kv_port, help="Side-channel port; 0 picks a free port.")
+    add(
+        "--kv-lease-s",
+        type=float,
+        default=d.kv_lease_s,
+        help="Seconds a prefill holds un-pulled KV blocks before freeing them.",
+    )
+    add("--kv-dir", default=d.kv_dir, help="Shared KV directory for the example connector.")
+    add("--block-size", type=int, default=d.block_size, help="Tokens per KV block.")
+    add(
+        "--num-blocks",
+        type=int,
+        default=d.num_blocks,
+        help="KV block capacity (denominator of vllm:kv_cache_usage_perc).",
+    )
+    add(
+        "--prefix-cache-blocks",
+        type=int,
+        default=d.prefix_cache_blocks,
+        help="Blocks the prefix cache remembers.",
+    )
+    add(
+        "--dp-size",
+        type=int,
+        default=d.dp_size,
+        help="Data-parallel size for X-data-parallel-rank.",
+    )
+
+
+def _add_timing_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
+    add = p.add_argument
+    add("--strict", action="store_true", help="Reject prefill-contract violations with HTTP 400.")
+    add("--ttft-ms", type=float, default=d.ttft_ms, help="Fixed time to first token, in ms.")
+    add(
+        "--prefill-us-per-token",
+        type=float,
+        default=d.prefill_us_per_token,
+        help="Prefill cost per locally computed prompt token, in microseconds.",
+    )
+    add(
+        "--decode-tps",
+        type=float,
+        default=d.decode_tps,
+        help="Decode tokens per second per stream; 0 is as fast as possible.",
+    )
+    add(
+        "--max-running",
+        type=int,
+        default=d.max_running,
+        help="Requests running at once; the rest wait in a FIFO queue.",
+    )
+    add(
+        "--keep-alive-s",
+        type=float,
+        default=d.keep_alive_s,
+        help="Idle keep-alive timeout of client connections, in seconds.",
+    )
+    add(
+        "--record-limit",
+        type=int,
+        default=d.record_limit,
+        help="How many request records /sim/requests keeps.",
+    )
+
+
+def _add_fault_flags(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument
+    add(
+        "--fault-status",
+        type=int,
+        default=None,
+        help="Answer every generation request with this HTTP status.",
+    )
+    add("--fault-hang", action="store_true", help="Accept generation requests, never answer.")
+    add(
+        "--fault-close-after-tokens",
+        type=int,
+        default=None,
+        help="Abort the TCP connection after N streamed tokens.",
+    )
+    add(
+        "--fault-refuse-connections",
+        action="store_true",
+        help="Close the listening socket (clear the fault to reopen it).",
+    )
+    add(
+        "--fault-slow-start-s",
+        type=float,
+        default=0.0,
+        help="/health answers 503 for the first N seconds.",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    faults = Faults(
+        status=args.fault_status,
+        hang=args.fault_hang,
+        close_after_tokens=args.fault_close_after_tokens,
+        refuse_connections=args.fault_refuse_connections,
+        slow_start_s=args.fault_slow_start_s,
+    )
+    kwargs: dict[str, Any] = {
+        k: getattr(args, k)
+        for k in (
+            "host",
+            "port",
+            "model",
+            "max_model_len",
+            "role",
+            "connector",
+            "kv_host",
+            "kv_port",
+            "kv_lease_s",
+            "kv_dir",
+            "block_size",
+            "num_blocks",
+            "prefix_cache_blocks",
+            "dp_size",
+            "strict",
+            "ttft_ms",
+            "prefill_us_per_token",
+            "decode_tps",
+            "max_running",
+            "keep_alive_s",
+            "record_limit",
+        )
+    }
+    if args.engine_id:
+        kwargs["engine_id"] = args.engine_id
+    return SimConfig(faults=faults, **kwargs)
+
+
+async def serve(config: SimConfig) -> None:
+    server = SimServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT is sent by Ctrl+C
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        log.error("invalid configuration: %s", exc)
+        sys.exit(1)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))

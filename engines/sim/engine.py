@@ -1,0 +1,111 @@
+"""The engine core: prefill with KV sources, token generation, and the P-side finish."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from engines.sim import model
+from engines.sim.config import SimConfig
+from engines.sim.connectors import Connector, ConnectorDeps, create
+from engines.sim.kvstore import BlockPool, PrefixCache
+from engines.sim.metrics import Counters, Gauges
+from engines.sim.openai_api import GenRequest
+from engines.sim.render import Outcome
+from engines.sim.scheduler import Scheduler
+
+Step = tuple[str, "str | None", "str | None"]  # (text piece, finish_reason, stop_reason)
+
+
+@dataclass
+class Prefill:
+    kv: list[bytes]
+    cached: int  # tokens from the local prefix cache
+    external: int  # tokens whose KV came from a connector
+    computed: int  # tokens computed here
+
+    def delay_s(self, cfg: SimConfig) -> float:
+        """Time to first token: fixed overhead plus the cost of the computed tokens."""
+        return cfg.ttft_ms / 1000 + cfg.prefill_us_per_token * self.computed / 1e6
+
+
+class Engine:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.counters = Counters()
+        self.pool = BlockPool(config.num_blocks)
+        self.prefix = PrefixCache(config.prefix_cache_blocks, config.block_size)
+        self.scheduler = Scheduler(config.max_running)
+        self.connector: Connector = create(ConnectorDeps(config, self.counters, self.pool))
+        self.running_blocks = 0
+
+    def gauges(self) -> Gauges:
+        used = self.connector.held_blocks() + self.running_blocks
+        usage = min(1.0, used / self.config.num_blocks)
+        return Gauges(self.scheduler.running, self.scheduler.waiting, usage)
+
+    def blocks_for(self, req: GenRequest) -> int:
+        return -(-len(req.prompt_tokens) // self.config.block_size)
+
+    def prefill(self, req: GenRequest, loaded: list[bytes] | None) -> Prefill:
+        """Build the prompt's KV from loaded entries, the prefix cache and local compute."""
+        tokens = req.prompt_tokens
+        n = len(tokens)
+        c = self.counters
+        c.prompt_tokens += n
+        if loaded:
+            external = min(len(loaded), n - 1)
+            kv = model.extend_kv(loaded[:external], tokens, external)
+            c.tokens_external_kv_transfer += external
+            c.tokens_local_compute += n - external
+            return Prefill(kv, 0, external, n - external)
+        kv = model.compute_kv(tokens)
+        cached = self.prefix.match_and_insert(kv)
+        c.prefix_cache_queries += n
+        c.prefix_cache_hits += cached
+        c.tokens_local_cache_hit += cached
+        c.tokens_local_compute += n - cached
+        return Prefill(kv, cached, 0, n - cached)
+
+    def steps(self, req: GenRequest, pre: Prefill) -> Iterator[Step]:
+        """Generated pieces; the last one carries finish_reason (and stop_reason)."""
+        words = model.decode_words(pre.kv[-1])
+        min_tokens = req.body.get("min_tokens") or 0
+        text = ""
+        for i in range(req.max_tokens):
+            piece = " " + next(words)
+            self.counters.generation_tokens += 1
+            if req.stop and i + 1 >= min_tokens:
+                hit = _find_stop(text + piece, req.stop)
+                if hit is not None:
+                    idx, stop = hit
+                    yield (text + piece)[len(text) : max(idx, len(text))], "stop", stop
+                    return
+            text += piece
+            yield piece, ("length" if i == req.max_tokens - 1 else None), None
+
+    def finish(
+        self,
+        req: GenRequest,
+        pre: Prefill,
+        text: str,
+        n_tokens: int,
+        reason: str,
+        stop_reason: str | None,
+    ) -> Outcome:
+        """Account a finished request and let the connector hold/store its KV."""
+        if reason == "stop":
+            self.counters.requests_finished_stop += 1
+        else:
+            self.counters.requests_finished_length += 1
+        params = self.connector.finished(req, pre.kv)
+        return Outcome(text, n_tokens, reason, stop_reason, pre.cached, params)
+
+
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for s in stops:
+        idx = text.find(s)
+        if idx >= 0 and (best is None or idx < best[0]):
+            best = (idx, s)
+    return best

@@ -1,0 +1,207 @@
+"""Serving one generation request: inline when nothing needs to wait, else as a task."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from engines.sim import render
+from engines.sim.config import Faults
+from engines.sim.engine import Engine, Prefill
+from engines.sim.http import Connection
+from engines.sim.openai_api import GenRequest
+from engines.sim.records import RequestRecord
+
+SSE = "text/event-stream; charset=utf-8"
+
+
+@dataclass
+class Job:
+    """One generation request in flight."""
+
+    engine: Engine
+    conn: Connection
+    req: GenRequest
+    rec: RequestRecord
+    faults: Faults
+
+
+def can_inline(job: Job) -> bool:
+    """Serve without a task: no delays, no network pull, a free slot."""
+    eng = job.engine
+    return (
+        eng.config.instant
+        and not eng.connector.must_fetch(job.req)
+        and eng.scheduler.running < eng.scheduler.max_running
+        and eng.scheduler.waiting == 0
+    )
+
+
+def serve_inline(job: Job) -> None:
+    pre = job.engine.prefill(job.req, job.engine.connector.load_now(job.req))
+    pieces, out = _run_all(job, pre)
+    if _cut_short(job, pieces):
+        return
+    if job.req.stream:
+        job.conn.start_stream(200, SSE)
+        job.conn.write_chunk(render.stream_all(job.req, pieces, out))
+        job.conn.end_stream()
+    else:
+        job.conn.send(200, render.full_body(job.req, out))
+    job.rec.complete()
+
+
+def _run_all(job: Job, pre: Prefill) -> tuple[list[str], render.Outcome]:
+    pieces: list[str] = []
+    reason, stop_reason = "length", None
+    for piece, finish, stop in job.engine.steps(job.req, pre):
+        pieces.append(piece)
+        if finish is not None:
+            reason, stop_reason = finish, stop
+    out = job.engine.finish(job.req, pre, "".join(pieces), len(pieces), reason, stop_reason)
+    return pieces, out
+
+
+def _cut_short(job: Job, pieces: list[str]) -> bool:
+    """Apply the close_after_tokens fault if this response is longer than its limit."""
+    limit = job.faults.close_after_tokens
+    if limit is None or limit >= len(pieces):
+        return False
+    _close_after(job, pieces, limit)
+    return True
+
+
+def _close_after(job: Job, pieces: list[str], limit: int) -> None:
+    """The close_after_tokens fault: N streamed tokens (none if not streaming), then a cut."""
+    if job.req.stream:
+        job.conn.start_stream(200, SSE)
+        head = [render.role_chunk(job.req)] if job.req.kind == "chat" else []
+        head += [render.token_chunk(job.req, p) for p in pieces[:limit]]
+        job.conn.write_chunk(b"".join(head))
+    job.rec.fail(200 if job.req.stream else None, f"fault: closed after {limit} tokens")
+    job.conn.abort()
+
+
+async def serve_async(job: Job) -> None:
+    """The slow path: wait for a slot, pull KV, pay prefill and decode time."""
+    eng = job.engine
+    try:
+        await eng.scheduler.acquire()
+    except asyncio.CancelledError:
+        _on_cancel(job)
+        return
+    blocks = eng.blocks_for(job.req)
+    eng.running_blocks += blocks
+    try:
+        await _generate(job)
+    except asyncio.CancelledError:
+        _on_cancel(job)
+    finally:
+        eng.running_blocks -= blocks
+        eng.scheduler.release()
+
+
+async def _generate(job: Job) -> None:
+    eng, req = job.engine, job.req
+    loaded = await eng.connector.fetch(req) if eng.connector.must_fetch(req) else None
+    pre = eng.prefill(req, loaded if loaded is not None else eng.connector.load_now(req))
+    await asyncio.sleep(pre.delay_s(eng.config))
+    if not req.stream:
+        pieces, out = await _timed_pieces(job, pre)
+        if _cut_short(job, pieces):
+            return
+        job.conn.send(200, render.full_body(req, out))
+        job.rec.complete()
+        return
+    await _stream(job, pre)
+
+
+async def _timed_pieces(job: Job, pre: Prefill) -> tuple[list[str], render.Outcome]:
+    pieces: list[str] = []
+    reason, stop_reason = "length", None
+    pacer = _Pacer(job.engine.config.decode_tps)
+    for piece, finish, stop in job.engine.steps(job.req, pre):
+        await pacer.wait(len(pieces))
+        pieces.append(piece)
+        if finish is not None:
+            reason, stop_reason = finish, stop
+    out = job.engine.finish(job.req, pre, "".join(pieces), len(pieces), reason, stop_reason)
+    return pieces, out
+
+
+async def _stream(job: Job, pre: Prefill) -> None:
+    req, conn, eng = job.req, job.conn, job.engine
+    conn.start_stream(200, SSE)
+    if req.kind == "chat":
+        conn.write_chunk(render.role_chunk(req))
+    pacer = _Pacer(eng.config.decode_tps)
+    pieces: list[str] = []
+    limit = job.faults.close_after_tokens
+    for piece, finish, stop in eng.steps(req, pre):
+        await pacer.wait(len(pieces))
+        if limit is not None and len(pieces) >= limit:
+            job.rec.fail(200, f"fault: closed after {limit} tokens")
+            conn.abort()
+            return
+        pieces.append(piece)
+        if finish is None:
+            conn.write_chunk(render.token_chunk(req, piece))
+            await conn.drain()
+            if conn.closed:
+                raise asyncio.CancelledError
+            continue
+        out = eng.finish(req, pre, "".join(pieces), len(pieces), finish, stop)
+        conn.write_chunk(render.token_chunk(req, piece, finish, stop, out.kv_transfer_params))
+        if req.include_usage:
+            conn.write_chunk(render.usage_chunk(req, out))
+    conn.write_chunk(render.DONE)
+    conn.end_stream()
+    job.rec.complete()
+
+
+class _Pacer:
+    """Spaces tokens at 1/tps against an absolute clock (no drift); tps 0 never sleeps."""
+
+    def __init__(self, tps: float) -> None:
+        self.interval = 1.0 / tps if tps > 0 else 0.0
+        self.start = time.monotonic()
+
+    async def wait(self, index: int) -> None:
+        if self.interval <= 0 or index == 0:
+            return
+        delay = self.start + index * self.interval - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+async def serve_hang(job: Job) -> None:
+    """The hang fault: accept the request and never answer (until the client leaves)."""
+    try:
+        await asyncio.get_running_loop().create_future()
+    except asyncio.CancelledError:
+        _on_cancel(job)
+
+
+def _on_cancel(job: Job) -> None:
+    """The client went away (or the server is stopping): record it like vLLM's abort.
+
+    Called from connection_lost and again from the task's CancelledError; only the first
+    call counts (a task cancelled before it started never runs its except clause).
+    """
+    if job.rec.outcome != "pending":
+        return
+    job.engine.counters.requests_finished_abort += 1
+    if job.conn.state.stopping:
+        job.rec.fail(None, "aborted: server stopping")
+    elif job.conn.closed:
+        job.engine.counters.client_disconnects += 1
+        job.rec.disconnected()
+
+
+def spawn(job: Job, coro: Coroutine[Any, Any, None]) -> None:
+    """Run a request as its connection's task; a disconnect records it and cancels the task."""
+    job.conn.on_lost = lambda: _on_cancel(job)
+    job.conn.spawn(coro)

@@ -1,0 +1,191 @@
+"""Lifecycle of one sim engine: start on the current loop, refuse/restore, stop cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from engines.sim.app import SimApp
+from engines.sim.config import Faults, SimConfig
+from engines.sim.engine import Engine
+from engines.sim.http import Connection, ServerState
+from engines.sim.metrics import Counters, Gauges, parse_metrics, render
+from engines.sim.records import RequestRecord
+
+log = logging.getLogger("engines.sim")
+
+
+class SimServer:
+    """One running sim: HTTP listener, side channel (via its connector), lease timers."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.engine = Engine(config)
+        self.app = SimApp(config, self.engine)
+        self.app.on_faults = self._apply_faults
+        self.state = ServerState(self.app.handle, config.keep_alive_s)
+        self.port = config.port
+        self._listener: asyncio.Server | None = None
+        self._restore: asyncio.TimerHandle | None = None
+        self._relisten: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{_url_host(self.config.host)}:{self.port}"
+
+    async def start(self) -> None:
+        await self.engine.connector.start()
+        await self._listen()
+        self._apply_faults(self.config.faults)
+        log.info(
+            "pdproxy-sim %s role=%s connector=%s listening on %s (kv port %d)",
+            self.config.engine_id,
+            self.config.role,
+            self.config.connector,
+            self.url,
+            self.engine.connector.kv_port,
+        )
+
+    async def stop(self) -> None:
+        # stop accepting, cancel the restore timer, drop connections, stop the connector
+        self.state.stopping = True
+        self._close_listener()
+        if self._restore is not None:
+            self._restore.cancel()
+        if self._relisten is not None:
+            self._relisten.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._relisten
+            self._close_listener()
+        tasks = [c.task for c in self.state.connections if c.task is not None]
+        for conn in list(self.state.connections):
+            conn.abort()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.engine.connector.stop()
+
+    async def _listen(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(
+            lambda: Connection(self.state),
+            self.config.host,
+            self.port,
+            reuse_address=True,
+            backlog=2048,
+        )
+        self.port = self._listener.sockets[0].getsockname()[1]
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def _apply_faults(self, faults: Faults) -> None:
+        refuse = faults.refuse_connections
+        if self._restore is not None:
+            self._restore.cancel()
+            self._restore = None
+        if refuse is False or refuse == 0:
+            if self._listener is None and (self._relisten is None or self._relisten.done()):
+                self._relisten = asyncio.get_running_loop().create_task(self._listen())
+            return
+        self._close_listener()
+        if refuse is not True:
+            loop = asyncio.get_running_loop()
+            self._restore = loop.call_later(float(refuse), self.app.set_faults, Faults())
+
+
+class SimHandle:
+    """What `running_sim` yields: addresses, records, counters, faults."""
+
+    def __init__(self, server: SimServer) -> None:
+        self._server = server
+        self.config = server.config
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    @property
+    def kv_port(self) -> int:
+        return self._server.engine.connector.kv_port
+
+    @property
+    def engine_id(self) -> str:
+        return self.config.engine_id
+
+    @property
+    def requests(self) -> list[RequestRecord]:
+        return self._server.app.recorder.all()
+
+    def generation_requests(self) -> list[RequestRecord]:
+        return [r for r in self.requests if r.method == "POST" and r.path.startswith("/v1/")]
+
+    def clear_requests(self) -> None:
+        self._server.app.recorder.clear()
+
+    @property
+    def counters(self) -> Counters:
+        return self._server.engine.counters
+
+    def gauges(self) -> Gauges:
+        return self._server.engine.gauges()
+
+    def metrics_text(self) -> str:
+        return render(self.counters, self.gauges(), self.config.model)
+
+    def metrics(self) -> dict[str, float]:
+        """The /metrics values: `name{labels}` keys, and bare `name` summed over labels."""
+        return parse_metrics(self.metrics_text())
+
+    def set_faults(self, faults: Faults | None = None, **kwargs: Any) -> None:
+        self._server.app.set_faults(faults or Faults.from_dict(kwargs))
+
+    def clear_faults(self) -> None:
+        self._server.app.set_faults(Faults())
+
+    @property
+    def faults(self) -> Faults:
+        return self._server.app.faults
+
+    def records_json(self) -> bytes:
+        return orjson.dumps([r.as_dict() for r in self.requests])
+
+
+@contextlib.asynccontextmanager
+async def running_sim(
+    config: SimConfig | None = None, **overrides: Any
+) -> AsyncIterator[SimHandle]:
+    """Run a sim on the current loop; everything is stopped on exit."""
+    if config is None:
+        config = SimConfig(**overrides)
+    elif overrides:
+        import dataclasses
+
+        config = dataclasses.replace(config, **overrides)
+    server = SimServer(config)
+    await server.start()
+    try:
+        yield SimHandle(server)
+    finally:
+        await server.stop()
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    with contextlib.suppress(OSError):
+        if socket.inet_pton(socket.AF_INET6, host):
+            return f"[{host}]"
+    return host
