@@ -64,8 +64,12 @@ class UpstreamResponse:
             async for chunk in content.iter_any():
                 yield chunk
 
+    def release(self) -> None:
+        """Done with a fully read body: the connection goes back to the pool."""
+        self._response.release()
+
     def close(self) -> None:
-        """Drop the connection if the body was not fully read: vLLM then aborts the request."""
+        """Abandon the answer: the connection is dropped, and vLLM aborts the request."""
         self._response.close()
 
 
@@ -117,12 +121,15 @@ class EngineClient:
     async def post_read(
         self, url: str, body: bytes, headers: Mapping[str, str], *, leg: str
     ) -> tuple[UpstreamResponse, bytes]:
-        """POST and read the whole answer; the connection is released on every path."""
+        """POST and read the whole answer; the connection is pooled again or dropped."""
         upstream = await self.post(url, body, headers, leg=leg)
         try:
-            return upstream, await upstream.read()
-        finally:
+            data = await upstream.read()
+        except BaseException:
             upstream.close()
+            raise
+        upstream.release()
+        return upstream, data
 
     async def get_json(self, url: str) -> Any:
         """A probe (``/v1/models``, ``/health``): short timeout, its own pool."""

@@ -200,7 +200,8 @@ class _in_flight:
 
 
 class _in_flight_released:
-    """Release an already-counted decode leg and close its upstream when the block ends."""
+    """Uncount an already-counted decode leg when the block ends, and free its upstream:
+    pooled again when the answer was read whole, dropped otherwise."""
 
     def __init__(self, endpoint: Endpoint, upstream: UpstreamResponse) -> None:
         self._endpoint = endpoint
@@ -209,8 +210,11 @@ class _in_flight_released:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: object) -> None:
-        self._upstream.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self._upstream.release()
+        else:
+            self._upstream.close()
         _release(self._endpoint)
 
 

@@ -48,6 +48,7 @@ class StreamRelay:
                 yield chunk
             if not tail.rstrip().endswith(_DONE):
                 raise UpstreamProtocolError("decode engine ended the stream early", leg="decode")
+            self._upstream.release()  # complete: keep the connection for the next request
         except UpstreamError as exc:
             failure = self._failure or exc
             separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from pdproxy.api.errors import JSON, error_body, internal_error
 from pdproxy.api.state import AppState
@@ -168,20 +168,3 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 def _outcome(error: ProxyError) -> str:
     return type(error).__name__
-
-
-class HotPathDispatch:
-    """Sends the generation endpoints straight to their handlers, past the framework's
-    middleware stack (a dozen ASGI layers per request); everything else goes to ``app``."""
-
-    def __init__(self, endpoints: Mapping[str, GenerationEndpoint], app: ASGIApp) -> None:
-        self._endpoints = endpoints
-        self._app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self._endpoints.get(scope["path"])
-            if endpoint is not None:
-                await endpoint(scope, receive, send)
-                return
-        await self._app(scope, receive, send)
