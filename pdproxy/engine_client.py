@@ -93,7 +93,8 @@ class EngineClient:
                 total=None, sock_connect=self._timeouts.connect, sock_read=self._timeouts.read
             ),
             auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
+            # vLLM does not compress, and the engines need no client banner.
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
         probes = aiohttp.TCPConnector(
             limit=_PROBE_CONNECTIONS, keepalive_timeout=self._pool.keepalive_expiry

@@ -15,6 +15,7 @@ from pdproxy.engine_client import UpstreamResponse
 from pdproxy.errors import ProxyError, UpstreamError, UpstreamProtocolError
 
 _DONE = b"data: [DONE]"
+SSE_DONE = _DONE + b"\n\n"
 _TAIL = 32
 
 

@@ -20,6 +20,7 @@ from pdproxy.api.errors import JSON, error_body, internal_error
 from pdproxy.api.state import AppState
 from pdproxy.errors import BadRequest, PayloadTooLarge, ProxyError, UnsupportedMediaType
 from pdproxy.orchestrator import ClientRequest, ProxyResponse
+from pdproxy.relay import SSE_DONE, StreamRelay
 from pdproxy.shaping import MESSAGES, MODEL, PROMPT
 from pdproxy.types import ApiKind
 
@@ -112,17 +113,29 @@ async def _send_response(send: Send, response: ProxyResponse) -> None:
         (b"x-request-id", response.request_id.encode("latin-1")),
     ]
     if response.stream is None:
+        headers.append((b"content-length", str(len(response.body)).encode("latin-1")))
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": response.body})
         return
     headers.append((b"cache-control", b"no-cache"))
     try:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        async for chunk in response.stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
+        await _send_stream(send, response.stream)
     finally:
         response.stream.close()
+
+
+async def _send_stream(send: Send, stream: StreamRelay) -> None:
+    """Relay chunk by chunk; the chunk that ends with ``[DONE]`` also ends the response, so
+    the terminator does not cost a write of its own."""
+    finished = False
+    async for chunk in stream:
+        if finished:
+            continue  # nothing follows [DONE] in vLLM's streams
+        finished = chunk.endswith(SSE_DONE)
+        await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
+    if not finished:
+        await send({"type": "http.response.body", "body": b""})
 
 
 async def _send_whole(send: Send, status: int, body: bytes, content_type: str) -> None:
