@@ -40,8 +40,7 @@ async def deployment(
         config = ProxyConfig(
             prefill=tuple(EngineAddress(url=s.url) for s in prefills),
             decode=tuple(EngineAddress(url=s.url) for s in decodes),
-            kv_connector=connector,
-            **(proxy or {}),
+            **{"kv_connector": connector, **(proxy or {})},
         )
         proxy = await stack.enter_async_context(running_proxy(config))
         yield Deployment(proxy, prefills, decodes, single)

@@ -72,3 +72,45 @@ def test_bad_env_exits_2():
     with pytest.raises(SystemExit) as exc:
         parse_config(["--prefill", "a:1", "--decode", "c:3"], {"PDPROXY_PORT": "eighty"})
     assert exc.value.code == 2
+
+
+def test_prefill_bootstrap_ports():
+    cfg = parse_config(["--prefill", "http://p1:8100", "8998", "p2:8100", "--decode", "d:1"], {})
+    assert cfg.prefill[0].bootstrap_url == "http://p1:8998"
+    assert cfg.prefill[1].bootstrap_url is None
+
+
+@pytest.mark.parametrize("argv", [["--prefill", "8998", "p:1"], ["--prefill", "p:1", "1", "2"]])
+def test_stray_bootstrap_port_exits_2(argv):
+    with pytest.raises(SystemExit) as exc:
+        parse_config([*argv, "--decode", "d:1"], {})
+    assert exc.value.code == 2
+
+
+def test_registry_makes_static_instances_optional():
+    cfg = parse_config(["--registry-port", "36367", "--transfer-mode", "write"], {})
+    assert cfg.registry.port == 36367 and cfg.transfer_mode == "WRITE" and cfg.prefill == ()
+
+
+def test_admin_key_from_env_or_file(tmp_path):
+    base = ["--prefill", "p:1", "--decode", "d:1"]
+    assert parse_config(base, {}).admin_api_key is None
+    assert parse_config(base, {"ADMIN_API_KEY": "k1"}).admin_api_key == "k1"
+    key_file = tmp_path / "key"
+    key_file.write_text("k2\n")
+    assert (
+        parse_config(
+            [*base, "--admin-api-key-file", str(key_file)], {"ADMIN_API_KEY": "k1"}
+        ).admin_api_key
+        == "k2"
+    )
+    assert "k2" not in repr(parse_config([*base, "--admin-api-key-file", str(key_file)], {}))
+
+
+@pytest.mark.parametrize(
+    "extra", [["--admin-api-key-file", "/nonexistent/key"], ["--admin-allow-cidr", "nope"]]
+)
+def test_bad_admin_config_exits_2(extra):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(["--prefill", "p:1", "--decode", "d:1", *extra], {})
+    assert exc.value.code == 2
