@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+import uuid
 from dataclasses import dataclass
 
 import aiohttp
@@ -31,11 +32,11 @@ class Result:
         return 1000 * statistics.median(self.ttft)
 
 
-def body(max_tokens: int) -> bytes:
+def body(max_tokens: int, model: str, tag: str = "") -> bytes:
     return orjson.dumps(
         {
-            "model": "sim-model",
-            "prompt": "The quick brown fox jumps over the lazy dog " * 4,
+            "model": model,
+            "prompt": tag + "The quick brown fox jumps over the lazy dog " * 4,
             "max_tokens": max_tokens,
             "stream": True,
         }
@@ -54,9 +55,19 @@ async def _one(session: aiohttp.ClientSession, url: str, payload: bytes) -> floa
     return first
 
 
-async def run(base_url: str, *, concurrency: int, total: int, max_tokens: int) -> Result:
+async def run(
+    base_url: str,
+    *,
+    concurrency: int,
+    total: int,
+    max_tokens: int,
+    model: str = "sim-model",
+    unique_prompts: bool = False,
+) -> Result:
+    """``unique_prompts`` gives each request its own prompt, so no engine's prefix cache
+    stands in for a prefill or a KV transfer (real engines)."""
     url = base_url + "/v1/completions"
-    payload = body(max_tokens)
+    payload = body(max_tokens, model)
     ttft: list[float] = []
     errors = 0
     remaining = total
@@ -65,8 +76,9 @@ async def run(base_url: str, *, concurrency: int, total: int, max_tokens: int) -
         nonlocal remaining, errors
         while remaining > 0:
             remaining -= 1
+            data = body(max_tokens, model, f"[{uuid.uuid4().hex}] ") if unique_prompts else payload
             try:
-                ttft.append(await _one(session, url, payload))
+                ttft.append(await _one(session, url, data))
             except (RuntimeError, aiohttp.ClientError):
                 errors += 1
 

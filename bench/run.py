@@ -15,6 +15,7 @@ import platform
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from bench import load
 from bench.procs import cpu_seconds, free_port, process, proxy_args, sim_args, wait_healthy
@@ -29,18 +30,28 @@ class Scenario:
     total: int
     target_cpu_ms: float | None = None
     target_added_ttft_ms: float | None = None
+    real: bool = False  # real vLLM CPU engines instead of simulated ones
 
 
 SCENARIOS = (
     Scenario("(a) 32 concurrent, 16 tokens", 32, 16, 0, 4000, target_cpu_ms=0.8),
     Scenario("(b) 64 concurrent, 128 tokens @200 tok/s", 64, 128, 200, 640, target_cpu_ms=4.0),
     Scenario("(c) one at a time, 16 tokens", 1, 16, 0, 1000, target_added_ttft_ms=1.0),
+    Scenario("(d) real vLLM 1P1D (NIXL), 4 concurrent, 16 tokens", 4, 16, 0, 120, real=True),
 )
 
 
+@dataclass(frozen=True)
+class Deployment:
+    decode_url: str
+    proxy_url: str
+    proxy_pid: int
+    model: str
+
+
 @contextlib.asynccontextmanager
-async def deployment(decode_tps: float, logdir: str) -> AsyncIterator[tuple[str, str, int]]:
-    """One prefill sim, one decode sim and pdproxy; yields (decode url, proxy url, proxy pid)."""
+async def sim_deployment(decode_tps: float, logdir: str) -> AsyncIterator[Deployment]:
+    """One prefill sim, one decode sim and pdproxy, each its own process."""
     p_port, d_port, x_port = free_port(), free_port(), free_port()
     p_url, d_url, x_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, x_port))
     with (
@@ -50,14 +61,39 @@ async def deployment(decode_tps: float, logdir: str) -> AsyncIterator[tuple[str,
     ):
         for url in (p_url, d_url, x_url):
             await wait_healthy(url)
-        yield d_url, x_url, proxy.pid
+        yield Deployment(d_url, x_url, proxy.pid, "sim-model")
+
+
+@contextlib.asynccontextmanager
+async def real_deployment(logdir: str) -> AsyncIterator[Deployment]:
+    """A real vLLM CPU prefill and decode (NIXL) and pdproxy; "direct" is the decode alone."""
+    from engines.vllm.launch import vllm_engines
+
+    with vllm_engines(connector="nixl") as pair:
+        x_port = free_port()
+        x_url = f"http://127.0.0.1:{x_port}"
+        with process(
+            proxy_args(x_port, pair.prefill_url, pair.decode_url), f"{logdir}/proxy.log"
+        ) as proxy:
+            await wait_healthy(x_url)
+            yield Deployment(pair.decode_url, x_url, proxy.pid, pair.model)
 
 
 async def measure(scenario: Scenario, logdir: str) -> dict[str, float]:
-    async with deployment(scenario.decode_tps, logdir) as (decode_url, proxy_url, pid):
-        warm = dict(concurrency=scenario.concurrency, max_tokens=scenario.max_tokens)
-        await load.run(decode_url, total=200, **warm)
-        await load.run(proxy_url, total=200, **warm)
+    deployment = (
+        real_deployment(logdir) if scenario.real else sim_deployment(scenario.decode_tps, logdir)
+    )
+    async with deployment as d:
+        decode_url, proxy_url, pid = d.decode_url, d.proxy_url, d.proxy_pid
+        warm: dict[str, Any] = dict(
+            concurrency=scenario.concurrency,
+            max_tokens=scenario.max_tokens,
+            model=d.model,
+            unique_prompts=scenario.real,
+        )
+        warmup = 8 if scenario.real else 200
+        await load.run(decode_url, total=warmup, **warm)
+        await load.run(proxy_url, total=warmup, **warm)
         direct = await load.run(decode_url, total=scenario.total, **warm)
         cpu_before = cpu_seconds(pid)
         proxied = await load.run(proxy_url, total=scenario.total, **warm)
