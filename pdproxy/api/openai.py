@@ -77,7 +77,9 @@ async def _serve(state: AppState, request: ClientRequest, receive: Receive, send
     disconnected = asyncio.Event()
     watcher = asyncio.create_task(_watch_disconnect(receive, task, disconnected))
     try:
-        response = await state.orchestrator.handle(request)
+        response = await _orchestrate(state, request, send)
+        if response is None:
+            return "error"
         await _send_response(send, response)
         return "ok"
     except asyncio.CancelledError:
@@ -90,11 +92,23 @@ async def _serve(state: AppState, request: ClientRequest, receive: Receive, send
         await _send_whole(send, *error_body(error))
         return _outcome(error)
     except Exception:
-        logger.exception("unexpected failure serving %s", request.kind.value)
-        await _send_whole(send, *error_body(internal_error()))
+        # The response may have started: nothing more can be said to this client.
+        logger.exception("unexpected failure relaying %s", request.kind.value)
         return "error"
     finally:
         watcher.cancel()
+
+
+async def _orchestrate(state: AppState, request: ClientRequest, send: Send) -> ProxyResponse | None:
+    """The orchestrator's answer; a proxy bug becomes a generic 500 (and None)."""
+    try:
+        return await state.orchestrator.handle(request)
+    except (ProxyError, asyncio.CancelledError):
+        raise
+    except Exception:
+        logger.exception("unexpected failure serving %s", request.kind.value)
+        await _send_whole(send, *error_body(internal_error()))
+        return None
 
 
 async def _watch_disconnect(

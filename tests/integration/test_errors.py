@@ -177,3 +177,16 @@ async def test_client_disconnect_during_prefill_closes_prefill_and_skips_decode(
         assert record.disconnected_at - closed_at < 0.1
         await _wait_for(lambda: all(e.in_flight == 0 for e in d.proxy.state.registry.all()))
         assert d.generation_requests(d.decodes) == []
+
+
+class _BrokenScheduler:
+    def schedule(self, snapshot):
+        raise RuntimeError("internal detail that must not leak")
+
+
+async def test_proxy_bug_is_generic_500_without_exception_text(nixl_2p2d, caplog):
+    nixl_2p2d.proxy.state.orchestrator._scheduler = _BrokenScheduler()
+    status, ctype, raw = await _post(nixl_2p2d.proxy.url, BODY)
+    assert status == 500 and ctype.startswith("application/json")
+    assert b"internal detail" not in raw and _error(raw)["type"] == "InternalServerError"
+    assert "internal detail that must not leak" in caplog.text  # logged with its traceback
