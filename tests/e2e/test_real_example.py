@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.conftest import external_tokens, output_text, post
-from tests.e2e.test_real_nixl import body, path, prompt, proxy_config
+from tests.e2e.test_real_nixl import body, isolated, path, prompt, proxy_config
 from tests.servers import running_proxy
 
 pytestmark = pytest.mark.real_engine
@@ -20,7 +20,7 @@ async def test_output_equals_single_engine_and_kv_loaded(example_pair, kind, str
         status, raw = await post(proxy.url, path(kind), body(pair, kind, text, stream))
     assert status == 200, raw
     moved = external_tokens(pair) - before
-    _, ref_raw = await post(pair.decode_url, path(kind), body(pair, kind, text, False))
+    _, ref_raw = await post(pair.decode_url, path(kind), isolated(body(pair, kind, text, False)))
     got = output_text(raw, chat=kind == "chat", stream=stream)
     assert got and got == output_text(ref_raw, chat=kind == "chat", stream=False)
     # the ExampleConnector moves whole 32-token blocks only

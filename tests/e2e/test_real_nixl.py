@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import time
+import uuid
 
 import aiohttp
 import orjson
@@ -49,6 +50,11 @@ def body(pair, kind: str, text: str, stream: bool, max_tokens: int = 16) -> dict
     return b
 
 
+def isolated(request: dict) -> dict:
+    """A request that cannot reuse (or leave) prefix-cached blocks of other requests."""
+    return {**request, "cache_salt": uuid.uuid4().hex}
+
+
 def path(kind: str) -> str:
     return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
@@ -64,8 +70,11 @@ async def test_output_equals_single_engine_and_kv_moved(nixl_pair, kind, stream)
         status, raw = await post(proxy.url, path(kind), body(pair, kind, text, stream))
     assert status == 200, raw
     moved = external_tokens(pair) - ext_before
-    # the reference: the decode engine alone, as a plain engine (no kv_transfer_params)
-    ref_status, ref_raw = await post(pair.decode_url, path(kind), body(pair, kind, text, False))
+    # the reference: the decode engine alone, as a plain engine (no kv_transfer_params); its
+    # own cache salt keeps the transferred blocks in its prefix cache out of the reference
+    ref_status, ref_raw = await post(
+        pair.decode_url, path(kind), isolated(body(pair, kind, text, False))
+    )
     assert ref_status == 200
     reference = orjson.loads(ref_raw)
     got = output_text(raw, chat=kind == "chat", stream=stream)
@@ -101,13 +110,14 @@ async def test_negative_control_other_prompts_kv_changes_output(nixl_pair):
     )
     params_a = await _prefill_params(pair, a)
     params_b = await _prefill_params(pair, b)
-    expected_b = output_text(
-        (await post(pair.prefill_url, "/v1/completions", body(pair, "completions", b, False)))[1],
-        chat=False,
-        stream=False,
+    _, raw_expected = await post(
+        pair.prefill_url, "/v1/completions", isolated(body(pair, "completions", b, False))
     )
-    positive = {**body(pair, "completions", b, False), "kv_transfer_params": params_b}
-    negative = {**body(pair, "completions", b, False), "kv_transfer_params": params_a}
+    expected_b = output_text(raw_expected, chat=False, stream=False)
+    # each decode request gets its own cache salt: the first must not serve the second from
+    # the decode's prefix cache
+    positive = isolated({**body(pair, "completions", b, False), "kv_transfer_params": params_b})
+    negative = isolated({**body(pair, "completions", b, False), "kv_transfer_params": params_a})
     _, raw_neg = await post(pair.decode_url, "/v1/completions", negative)
     _, raw_pos = await post(pair.decode_url, "/v1/completions", positive)
     assert output_text(raw_pos, chat=False, stream=False) == expected_b
