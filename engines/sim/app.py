@@ -162,6 +162,7 @@ class SimApp:
             "waiting": g.waiting,
             "kv_usage": g.kv_usage,
             "kv_port": self.engine.connector.kv_port,
+            "bootstrap_port": self.engine.connector.bootstrap_port,
         }
         req.conn.send(200, orjson.dumps(data))
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engines.sim.config import Faults, SimConfig
+from engines.sim.config import REGISTER_FORMATS, TRANSFER_MODES, Faults, SimConfig
 from engines.sim.connectors import CONNECTORS
 from engines.sim.server import SimServer
 
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--connector",
         choices=sorted(CONNECTORS),
         default=d.connector,
-        help="KV connector: nixl (pull over a TCP side channel) or example (shared dir).",
+        help="KV connector: nixl (pull), moriio (READ pull / WRITE push), p2p-nccl (push), "
+        "mooncake (bootstrap + pull), all over TCP, or example (shared dir).",
     )
     add(
         "--engine-id",
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Engine id reported as remote_engine_id; unset means a random uuid4.",
     )
     _add_kv_flags(p, d)
+    _add_id_connector_flags(p, d)
+    _add_register_flags(p, d)
     _add_timing_flags(p, d)
     _add_fault_flags(p)
     add("--log-level", default="info", help="Logging level.")
@@ -82,6 +85,55 @@ def _add_kv_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
         type=int,
         default=d.dp_size,
         help="Data-parallel size for X-data-parallel-rank.",
+    )
+
+
+def _add_id_connector_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
+    add = p.add_argument
+    add("--tp-size", type=int, default=d.tp_size, help="Tensor-parallel size to report.")
+    add(
+        "--transfer-mode",
+        choices=TRANSFER_MODES,
+        default=d.transfer_mode,
+        help="MoRIIO transfer mode: READ (D pulls, serial) or WRITE (P pushes, concurrent).",
+    )
+    add(
+        "--kv-wait-timeout-s",
+        type=float,
+        default=d.kv_wait_timeout_s,
+        help="Seconds a decode waits for pushed or not-yet-prefilled KV before failing.",
+    )
+    add(
+        "--bootstrap-port",
+        type=int,
+        default=d.bootstrap_port,
+        help="Mooncake bootstrap HTTP port (vLLM uses 8998); 0 picks a free port.",
+    )
+
+
+def _add_register_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
+    add = p.add_argument
+    add(
+        "--register",
+        default=d.register,
+        help="Proxy ROUTER address (tcp://host:port) to send registration heartbeats to.",
+    )
+    add(
+        "--register-format",
+        choices=REGISTER_FORMATS,
+        default=d.register_format,
+        help="Registration payload: p2p, moriio or moriio-legacy.",
+    )
+    add(
+        "--register-interval-s",
+        type=float,
+        default=d.register_interval_s,
+        help="Seconds between registration heartbeats.",
+    )
+    add(
+        "--zmq-address",
+        default=d.zmq_address,
+        help="zmq_address to register; unset derives it from --kv-host and the KV port.",
     )
 
 
@@ -174,6 +226,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             "num_blocks",
             "prefix_cache_blocks",
             "dp_size",
+            "tp_size",
+            "transfer_mode",
+            "kv_wait_timeout_s",
+            "bootstrap_port",
+            "register",
+            "register_format",
+            "register_interval_s",
+            "zmq_address",
             "strict",
             "ttft_ms",
             "prefill_us_per_token",

@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Role = Literal["prefill", "decode", "both"]
-ConnectorName = Literal["nixl", "example"]
+ConnectorName = Literal["nixl", "example", "moriio", "p2p-nccl", "mooncake"]
+RegisterFormat = Literal["p2p", "moriio", "moriio-legacy"]
+TransferMode = Literal["READ", "WRITE"]
+REGISTER_FORMATS = ("p2p", "moriio", "moriio-legacy")
+TRANSFER_MODES = ("READ", "WRITE")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,14 @@ class SimConfig:
     block_size: int = 16
     num_blocks: int = 4096
     dp_size: int = 1
+    tp_size: int = 1  # reported only (registration, MoRIIO params); the sim runs one rank
+    transfer_mode: TransferMode = "READ"  # MoRIIO: READ (D pulls, serial) or WRITE (P pushes)
+    kv_wait_timeout_s: float = 30.0  # how long a decode waits for pushed/pulled KV
+    bootstrap_port: int = 0  # Mooncake bootstrap HTTP server (vLLM default 8998); 0 = free
+    register: str | None = None  # tcp://host:port of a proxy's ROUTER; None = no heartbeats
+    register_format: RegisterFormat = "p2p"
+    register_interval_s: float = 3.0
+    zmq_address: str | None = None  # registered zmq_address; None = derived from the KV port
     strict: bool = False
     ttft_ms: float = 0.0
     prefill_us_per_token: float = 0.0
@@ -83,9 +95,24 @@ class SimConfig:
             raise ValueError("block_size, num_blocks and dp_size must be >= 1")
         if self.max_running < 1:
             raise ValueError("max_running must be >= 1")
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer_mode must be READ or WRITE, not {self.transfer_mode!r}")
+        if self.register_format not in REGISTER_FORMATS:
+            raise ValueError(f"register_format must be one of {REGISTER_FORMATS}")
+        if self.register_interval_s <= 0 or self.kv_wait_timeout_s <= 0:
+            raise ValueError("register_interval_s and kv_wait_timeout_s must be > 0")
         if self.connector == "example" and self.role != "both" and not self.kv_dir:
             raise ValueError("the example connector needs kv_dir")
         self.faults.validate()
+
+    @property
+    def engine_ids(self) -> list[str]:
+        """Engine id per DP rank: the plain id with one rank, else vLLM's `<id>_dp<rank>`."""
+        if self.dp_size == 1:
+            return [self.engine_id]
+        return [f"{self.engine_id}_dp{rank}" for rank in range(self.dp_size)]
 
     @property
     def instant(self) -> bool:

@@ -35,3 +35,11 @@ def error_body(status: int, message: str, err_type: str | None = None) -> bytes:
     return orjson.dumps(
         {"error": {"message": message, "type": kind, "param": None, "code": status}}
     )
+
+
+class KVTransferError(Exception):
+    """A decode could not get its KV and must not be served (e.g. a push never came).
+
+    Answered as HTTP 500 (non-streaming) or as an error event in a 200 stream, as vLLM does
+    when a request fails inside the engine.
+    """

@@ -11,6 +11,7 @@ from typing import Any
 from engines.sim import render
 from engines.sim.config import Faults
 from engines.sim.engine import Engine, Prefill
+from engines.sim.errors import KVTransferError, error_body
 from engines.sim.http import Connection
 from engines.sim.openai_api import GenRequest
 from engines.sim.records import RequestRecord
@@ -106,7 +107,11 @@ async def serve_async(job: Job) -> None:
 
 async def _generate(job: Job) -> None:
     eng, req = job.engine, job.req
-    loaded = await eng.connector.fetch(req) if eng.connector.must_fetch(req) else None
+    try:
+        loaded = await eng.connector.fetch(req) if eng.connector.must_fetch(req) else None
+    except KVTransferError as exc:
+        _fail_transfer(job, str(exc))
+        return
     pre = eng.prefill(req, loaded if loaded is not None else eng.connector.load_now(req))
     await asyncio.sleep(pre.delay_s(eng.config))
     if not req.stream:
@@ -117,6 +122,19 @@ async def _generate(job: Job) -> None:
         job.rec.complete()
         return
     await _stream(job, pre)
+
+
+def _fail_transfer(job: Job, message: str) -> None:
+    """No KV for a decode that needs it: 500, or an error event in a 200 stream (as vLLM)."""
+    body = error_body(500, message)
+    if job.req.stream:
+        job.conn.start_stream(200, SSE)
+        job.conn.write_chunk(b"data: " + body + b"\n\n" + render.DONE)
+        job.conn.end_stream()
+        job.rec.fail(200, message)
+        return
+    job.conn.send(500, body)
+    job.rec.fail(500, message)
 
 
 async def _timed_pieces(job: Job, pre: Prefill) -> tuple[list[str], render.Outcome]:

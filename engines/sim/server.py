@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from engines.sim import registration
 from engines.sim.app import SimApp
 from engines.sim.config import Faults, SimConfig
 from engines.sim.engine import Engine
@@ -34,10 +35,34 @@ class SimServer:
         self._listener: asyncio.Server | None = None
         self._restore: asyncio.TimerHandle | None = None
         self._relisten: asyncio.Task[None] | None = None
+        self.heartbeat: registration.Heartbeat | None = None
 
     @property
     def url(self) -> str:
         return f"http://{_url_host(self.config.host)}:{self.port}"
+
+    @property
+    def zmq_address(self) -> str:
+        """The zmq_address this engine registers and peers embed in request ids."""
+        cfg = self.config
+        if cfg.zmq_address:
+            return cfg.zmq_address
+        port = self.engine.connector.kv_port
+        if cfg.connector == "moriio" or cfg.register_format != "p2p":
+            return registration.moriio_zmq_address(cfg.kv_host, port, port)
+        return f"{cfg.kv_host}:{port}"
+
+    def registrant(self) -> registration.Registrant:
+        cfg = self.config
+        host = cfg.kv_host if cfg.host in ("0.0.0.0", "", "::") else cfg.host
+        return registration.Registrant(
+            role=registration.ROLE_CODES.get(cfg.role, "P"),
+            http_address=f"{host}:{self.port}",
+            zmq_address=self.zmq_address,
+            dp_size=cfg.dp_size,
+            tp_size=cfg.tp_size,
+            transfer_mode=cfg.transfer_mode,
+        )
 
     async def start(self) -> None:
         await self.engine.connector.start()
@@ -51,9 +76,36 @@ class SimServer:
             self.url,
             self.engine.connector.kv_port,
         )
+        if self.engine.connector.bootstrap_port is not None:
+            log.info(
+                "bootstrap server on http://%s:%d/query",
+                _url_host(self.config.kv_host),
+                self.engine.connector.bootstrap_port,
+            )
+        self._start_heartbeat()
+
+    def _start_heartbeat(self) -> None:
+        cfg = self.config
+        if cfg.register is None:
+            return
+        if cfg.role == "both":
+            log.info("role both does not register with %s", cfg.register)
+            return
+        payload = registration.build_payload(cfg.register_format, self.registrant())
+        identity = self.zmq_address if cfg.register_format == "p2p" else None
+        self.heartbeat = registration.Heartbeat(
+            cfg.register, payload, cfg.register_interval_s, identity=identity
+        )
+        self.heartbeat.start()
+        log.info(
+            "registering with %s every %gs: %s", cfg.register, cfg.register_interval_s, payload
+        )
 
     async def stop(self) -> None:
-        # stop accepting, cancel the restore timer, drop connections, stop the connector
+        # stop heartbeats, stop accepting, cancel the restore timer, drop connections,
+        # stop the connector
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
         self.state.stopping = True
         self._close_listener()
         if self._restore is not None:
@@ -124,6 +176,42 @@ class SimHandle:
     @property
     def engine_id(self) -> str:
         return self.config.engine_id
+
+    @property
+    def engine_ids(self) -> list[str]:
+        """Engine id per DP rank (what MoRIIO/Mooncake report as remote_engine_id)."""
+        return self.config.engine_ids
+
+    @property
+    def zmq_address(self) -> str:
+        """The zmq_address it registers (and a proxy embeds in request ids)."""
+        return self._server.zmq_address
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        return self._server.engine.connector.bootstrap_port
+
+    @property
+    def bootstrap_url(self) -> str | None:
+        port = self.bootstrap_port
+        return None if port is None else f"http://{_url_host(self.config.kv_host)}:{port}"
+
+    @property
+    def heartbeat(self) -> registration.Heartbeat | None:
+        """The registration sender, or None when the sim does not register."""
+        return self._server.heartbeat
+
+    def registration_payload(self) -> dict[str, Any]:
+        """The dict the sim sends (or would send) in its configured format."""
+        return registration.build_payload(self.config.register_format, self._server.registrant())
+
+    def pause_registration(self) -> None:
+        if self._server.heartbeat is not None:
+            self._server.heartbeat.pause()
+
+    def resume_registration(self) -> None:
+        if self._server.heartbeat is not None:
+            self._server.heartbeat.resume()
 
     @property
     def requests(self) -> list[RequestRecord]:

@@ -74,3 +74,29 @@ async def test_standalone_process_serves_and_stops(session):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+def test_id_connector_and_register_flags_map_to_config():
+    args = build_parser().parse_args(
+        [
+            "--role=decode",
+            "--connector=moriio",
+            "--transfer-mode=WRITE",
+            "--tp-size=2",
+            "--kv-wait-timeout-s=1.5",
+            "--bootstrap-port=8998",
+            "--register=tcp://127.0.0.1:36367",
+            "--register-format=moriio-legacy",
+            "--register-interval-s=0.5",
+            "--zmq-address=host:h,handshake:1,notify:2",
+        ]
+    )
+    cfg = config_from_args(args)
+    assert (cfg.connector, cfg.transfer_mode, cfg.tp_size) == ("moriio", "WRITE", 2)
+    assert (cfg.kv_wait_timeout_s, cfg.bootstrap_port) == (1.5, 8998)
+    assert (cfg.register, cfg.register_format, cfg.register_interval_s) == (
+        "tcp://127.0.0.1:36367",
+        "moriio-legacy",
+        0.5,
+    )
+    assert cfg.zmq_address == "host:h,handshake:1,notify:2"

@@ -2,8 +2,9 @@
 
 A connector sees each request twice: before prefill (`must_fetch`/`fetch` for a remote pull,
 `load_now` for a local load) and after generation (`finished`, which may hold or store the KV
-and returns the kv_transfer_params for the response). Id-embedding connectors (MoRIIO,
-P2P-NCCL, Mooncake) can address transfers by `req.response_id`/`transfer_id` in the same shape.
+and returns the kv_transfer_params for the response). `fetch` may raise KVTransferError when
+the request cannot be served without its KV (a push that never came): the request fails.
+The id-embedding connectors (MoRIIO, P2P-NCCL, Mooncake) share `transfer.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from engines.sim.openai_api import GenRequest
 CONNECTORS: dict[str, str] = {
     "nixl": "engines.sim.connectors.nixl:NixlConnector",
     "example": "engines.sim.connectors.example:ExampleConnector",
+    "moriio": "engines.sim.connectors.moriio:MoriioConnector",
+    "p2p-nccl": "engines.sim.connectors.p2p_nccl:P2pNcclConnector",
+    "mooncake": "engines.sim.connectors.mooncake:MooncakeConnector",
 }
 
 
@@ -35,6 +39,7 @@ class ConnectorDeps:
 
 class Connector(Protocol):
     kv_port: int
+    bootstrap_port: int | None  # Mooncake's bootstrap server; None for the others
 
     async def start(self) -> None: ...
 
@@ -47,7 +52,10 @@ class Connector(Protocol):
         ...
 
     async def fetch(self, req: GenRequest) -> list[bytes] | None:
-        """Pull the request's KV (per-token entries), or None to recompute locally."""
+        """Pull or await the request's KV (per-token entries), or None to recompute locally.
+
+        Raises KVTransferError when the request must fail instead of recomputing.
+        """
         ...
 
     def load_now(self, req: GenRequest) -> list[bytes] | None:

@@ -22,6 +22,8 @@ log = logging.getLogger("engines.sim.example")
 
 
 class ExampleConnector:
+    bootstrap_port: int | None = None
+
     def __init__(self, deps: ConnectorDeps) -> None:
         self.cfg = deps.config
         self.counters = deps.counters

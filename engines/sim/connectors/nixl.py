@@ -36,6 +36,8 @@ class Held:
 
 
 class NixlConnector:
+    bootstrap_port: int | None = None
+
     def __init__(self, deps: ConnectorDeps) -> None:
         self.cfg = deps.config
         self.counters = deps.counters

@@ -2,20 +2,22 @@
 
 Each frame is a 4-byte big-endian length and a msgpack map. The decode sends
 `{"engine_id", "request_id", "block_ids"}`; the prefill answers `{"ok": true, "blocks": [...]}`
-or `{"ok": false, "error": "..."}`. One request per connection.
+or `{"ok": false, "error": "..."}`. One request per connection. The id-embedding connectors
+add an `op` key (`read`, `write`, `put`, `pull`) and may answer after a wait (async handler).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
 
 MAX_FRAME = 256 * 1024 * 1024
-Handler = Callable[[dict[str, Any]], dict[str, Any]]
+Handler = Callable[[dict[str, Any]], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
@@ -39,7 +41,10 @@ async def serve(host: str, port: int, handler: Handler) -> asyncio.Server:
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = await read_frame(reader)
-            writer.write(encode_frame(handler(request)))
+            reply = handler(request)
+            if inspect.isawaitable(reply):
+                reply = await reply
+            writer.write(encode_frame(reply))
             await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
             pass
