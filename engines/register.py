@@ -134,13 +134,10 @@ async def run(args: argparse.Namespace, fmt: str, reg: Registrant) -> None:
     # a fresh connection per probe: a pooled keep-alive socket would hide a closed listener
     connector = aiohttp.TCPConnector(limit=1, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        identity = reg.zmq_address if fmt == "p2p" else None
+        # No socket identity: a sidecar is not the engine, and two sidecars with the same
+        # (default) zmq_address must not collide on the proxy's ROUTER.
         heartbeat = Heartbeat(
-            args.proxy,
-            payload,
-            args.interval_s,
-            identity=identity,
-            gate=HealthGate(session, args.engine),
+            args.proxy, payload, args.interval_s, gate=HealthGate(session, args.engine)
         )
         log.info(
             "pdproxy-register: %s -> %s every %gs: %s",

@@ -43,6 +43,10 @@ class ZmqRegistry:
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, _RECV_HWM)
+        # P2P-NCCL engines connect with identity = their zmq_address. A restarted engine
+        # reconnects with the same identity while its dead connection may linger; without
+        # handover the ROUTER would drop the new connection's heartbeats until then.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # libzmq drops a peer that sends a frame larger than this, before it is buffered.
         sock.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
         sock.bind(f"tcp://{self._config.host}:{self._config.port}")

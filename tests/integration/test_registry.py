@@ -42,10 +42,12 @@ async def registry_proxy(**overrides):
 
 
 @contextlib.asynccontextmanager
-async def dealer(endpoint: str):
+async def dealer(endpoint: str, identity: bytes | None = None):
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
     sock.connect(endpoint)
     try:
         yield sock
@@ -263,3 +265,25 @@ async def test_static_instances_never_expire(ttl):
             assert len(proxy.state.registry.snapshot().prefill) == 1
             status, _ = await _complete(proxy.url)
             assert status == 200
+
+
+async def test_restarted_engine_with_same_identity_is_heard():
+    """P2P-NCCL engines use their zmq_address as socket identity; a restart reuses it."""
+    async with (
+        registry_proxy() as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        dealer(endpoint, identity=b"127.0.0.1:21001") as old,
+    ):
+        await old.send(p2p("P", p))
+        registry = proxy.state.registry
+        await _until(lambda: len(registry) == 1)
+        # the old connection is still open (a crashed host sends no FIN) when the new one comes
+        async with dealer(endpoint, identity=b"127.0.0.1:21001") as new:
+            await asyncio.sleep(0.1)
+            before = proxy.state.metrics.registry_messages.labels("accepted")._value.get()
+            await new.send(p2p("P", p))
+            await _until(
+                lambda: (
+                    proxy.state.metrics.registry_messages.labels("accepted")._value.get() > before
+                )
+            )
