@@ -17,13 +17,13 @@ from typing import Any
 
 from pdproxy.config import (
     KV_CONNECTORS,
+    TRANSFER_MODES,
     PoolLimits,
     ProxyConfig,
     RegistryConfig,
     Timeouts,
     parse_engine_url,
 )
-from pdproxy.discovery.messages import TRANSFER_MODES
 from pdproxy.errors import ConfigError
 from pdproxy.log import configure_logging
 from pdproxy.types import EngineAddress

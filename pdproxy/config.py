@@ -25,6 +25,10 @@ KV_CONNECTORS = MappingProxyType(
 )
 
 
+# MoRIIO's transfer modes: READ (D pulls, serial legs) and WRITE (P pushes, concurrent legs).
+TRANSFER_MODES = ("READ", "WRITE")
+
+
 def import_from_string(target: str) -> Any:
     module_name, _, attr = target.partition(":")
     return getattr(importlib.import_module(module_name), attr)

@@ -22,10 +22,17 @@ import sys
 import tomllib
 from pathlib import Path
 
-PDPROXY_CONNECTORS = {"nixl", "example", "moriio", "p2p-nccl", "mooncake"}
 EXPECTED_PDPROXY = {"NixlConnector": "nixl", "NixlPullConnector": "nixl", "MoRIIOConnector": "moriio",
                     "MooncakeConnector": "mooncake", "LMCacheConnectorV1": "example",
                     "ExampleConnector": "example"}
+
+
+def pdproxy_config(args: list[str]):
+    """pdproxy's own ProxyConfig for a recipe's command line; SystemExit(2) when invalid."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from pdproxy.cli import parse_config
+
+    return parse_config(args, environ={})
 
 
 def vllm_parser():
@@ -115,20 +122,12 @@ def check(path: Path, parser, registry: set[str], KVTransferConfig) -> list[str]
               f"tp {ns.tensor_parallel_size}")
     if roles != {"prefill", "decode"}:
         errors.append(f"needs at least one prefill and one decode engine, has roles {sorted(map(str, roles))}")
-    # pdproxy command line
-    pa = argparse.ArgumentParser(prog="pdproxy", exit_on_error=False)
-    pa.add_argument("--prefill", nargs="+", action="extend", required=True)
-    pa.add_argument("--decode", nargs="+", action="extend", required=True)
-    pa.add_argument("--port", type=int, default=8000)
-    pa.add_argument("--kv-connector", choices=sorted(PDPROXY_CONNECTORS), required=True)
-    pa.add_argument("--model")
-    pa.add_argument("--registry-port", type=int)
-    pa.add_argument("--transfer-mode", choices=["READ", "WRITE"])
+    # pdproxy command line, parsed by pdproxy's own CLI (stdlib + msgpack, both in this venv)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            pns = pa.parse_args(recipe["proxy"]["args"])
-    except (SystemExit, argparse.ArgumentError) as exc:
+            pns = pdproxy_config(recipe["proxy"]["args"])
+    except SystemExit as exc:
         errors.append(f"proxy: bad pdproxy arguments: {exc} {err.getvalue().strip()}")
         return errors
     connectors = {e["kv_transfer_config"]["kv_connector"] for e in recipe["engines"]}
@@ -139,12 +138,12 @@ def check(path: Path, parser, registry: set[str], KVTransferConfig) -> list[str]
     if pns.model and served and served != {pns.model}:
         errors.append(f"proxy: --model {pns.model} but engines serve {sorted(served)}")
     if "MoRIIOConnector" in connectors:
-        if pns.transfer_mode is None or pns.registry_port is None:
+        if pns.transfer_mode is None or pns.registry.port is None:
             errors.append("proxy: MoRIIO needs --registry-port and --transfer-mode")
         for e in recipe["engines"]:
             extra = e["kv_transfer_config"].get("kv_connector_extra_config", {})
-            if int(extra.get("proxy_ping_port", -1)) != pns.registry_port:
-                errors.append(f"{e['name']}: proxy_ping_port != pdproxy --registry-port {pns.registry_port}")
+            if int(extra.get("proxy_ping_port", -1)) != pns.registry.port:
+                errors.append(f"{e['name']}: proxy_ping_port != pdproxy --registry-port {pns.registry.port}")
             read = str(extra.get("read_mode", "")).lower() in ("true", "1")
             if (pns.transfer_mode == "READ") != read:
                 errors.append(f"{e['name']}: read_mode {extra.get('read_mode')!r} does not fit --transfer-mode "

@@ -20,8 +20,7 @@ from fastapi.responses import Response
 
 from pdproxy.api.errors import json_response
 from pdproxy.api.state import AppState
-from pdproxy.config import format_url, parse_host_port
-from pdproxy.discovery.messages import TRANSFER_MODES
+from pdproxy.config import TRANSFER_MODES, format_url, parse_host_port
 from pdproxy.errors import AdminError, ConfigError
 from pdproxy.types import Endpoint, EngineAddress, Role
 

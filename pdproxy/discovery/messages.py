@@ -22,12 +22,11 @@ from urllib.parse import urlsplit
 
 import msgpack
 
-from pdproxy.config import format_url, parse_host_port
+from pdproxy.config import TRANSFER_MODES, format_url, parse_host_port
 from pdproxy.errors import ConfigError, RegistryMessageError
 from pdproxy.types import EngineAddress, Role
 
 _ROLES = {"P": Role.PREFILL, "D": Role.DECODE}
-TRANSFER_MODES = ("READ", "WRITE")
 
 
 @dataclass(frozen=True, slots=True)
