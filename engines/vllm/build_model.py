@@ -7,6 +7,7 @@ Idempotent: if OUT/.pdproxy-model.stamp matches the requested parameters, nothin
 
     python build_model.py --out DIR [--vocab-size 2048] [--seed 0] [--force]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,9 @@ def corpus_files(max_bytes: int) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--hidden-size", type=int, default=256)
@@ -71,7 +74,9 @@ def main() -> int:
     head_dim = args.hidden_size // args.heads
     supported = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
     if head_dim not in supported:
-        log(f"ERROR: head_dim {head_dim} is not supported by vLLM's CPU attention backend {sorted(supported)}")
+        log(
+            f"ERROR: head_dim {head_dim} is not supported by vLLM's CPU attention backend {sorted(supported)}"
+        )
         return 2
 
     params = {k: v for k, v in vars(args).items() if k not in ("out", "force")}
@@ -95,23 +100,35 @@ def main() -> int:
     digest = hashlib.sha256()
     for f in files:
         digest.update(Path(f).read_bytes())
-    log(f"training byte-level BPE (vocab {args.vocab_size}) on {len(files)} stdlib files "
-        f"({sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB, sha256 {digest.hexdigest()[:12]})")
+    log(
+        f"training byte-level BPE (vocab {args.vocab_size}) on {len(files)} stdlib files "
+        f"({sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB, sha256 {digest.hexdigest()[:12]})"
+    )
     bpe = ByteLevelBPETokenizer()
-    bpe.train(files=files, vocab_size=args.vocab_size, min_frequency=2,
-              special_tokens=SPECIAL_TOKENS, show_progress=False)
+    bpe.train(
+        files=files,
+        vocab_size=args.vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+    )
 
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer,
-        bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, additional_special_tokens=["<|im_start|>"],
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
         model_max_length=args.max_position_embeddings,
     )
     tok.chat_template = CHATML_TEMPLATE
     tok.save_pretrained(tmp)
 
-    log(f"building random Llama: hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads / "
-        f"{args.kv_heads} KV heads (head_dim {head_dim}), vocab {len(tok)}, seed {args.seed}")
+    log(
+        f"building random Llama: hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads / "
+        f"{args.kv_heads} KV heads (head_dim {head_dim}), vocab {len(tok)}, seed {args.seed}"
+    )
     torch.manual_seed(args.seed)
     config = LlamaConfig(
         vocab_size=len(tok),
@@ -131,14 +148,25 @@ def main() -> int:
     )
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "pdproxy-model.json").write_text(json.dumps(
-        {**params, "corpus_files": len(files), "corpus_sha256": digest.hexdigest(),
-         "parameters": sum(p.numel() for p in model.parameters())}, indent=2, sort_keys=True))
+    (tmp / "pdproxy-model.json").write_text(
+        json.dumps(
+            {
+                **params,
+                "corpus_files": len(files),
+                "corpus_sha256": digest.hexdigest(),
+                "parameters": sum(p.numel() for p in model.parameters()),
+            },
+            indent=2,
+            sort_keys=True,
+        )
+    )
 
     # Quick self-check: the tokenizer round-trips and the chat template renders.
     text = "def hello(world):\n    return world"
     assert tok.decode(tok(text)["input_ids"]) == text, "tokenizer does not round-trip"
-    tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
 
     stamp_tmp = tmp / stamp.name
     stamp_tmp.write_text(want)

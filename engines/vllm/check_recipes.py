@@ -9,6 +9,7 @@ command line. Exits non-zero if any recipe is bad.
 
     python check_recipes.py [DIR_OR_FILES...] [--render]    # --render prints the shell commands
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,12 +20,18 @@ import os
 import re
 import shlex
 import sys
-import tomllib
 from pathlib import Path
 
-EXPECTED_PDPROXY = {"NixlConnector": "nixl", "NixlPullConnector": "nixl", "MoRIIOConnector": "moriio",
-                    "MooncakeConnector": "mooncake", "LMCacheConnectorV1": "example",
-                    "ExampleConnector": "example"}
+import tomllib
+
+EXPECTED_PDPROXY = {
+    "NixlConnector": "nixl",
+    "NixlPullConnector": "nixl",
+    "MoRIIOConnector": "moriio",
+    "MooncakeConnector": "mooncake",
+    "LMCacheConnectorV1": "example",
+    "ExampleConnector": "example",
+}
 
 
 def pdproxy_config(args: list[str]):
@@ -58,8 +65,13 @@ def expand(value, variables: dict[str, str]):
 
 
 def engine_argv(recipe: dict, eng: dict) -> list[str]:
-    return ["--model", recipe["model"], *eng.get("args", []),
-            "--kv-transfer-config", json.dumps(eng["kv_transfer_config"], separators=(",", ":"))]
+    return [
+        "--model",
+        recipe["model"],
+        *eng.get("args", []),
+        "--kv-transfer-config",
+        json.dumps(eng["kv_transfer_config"], separators=(",", ":")),
+    ]
 
 
 def render(recipe: dict) -> str:
@@ -67,8 +79,10 @@ def render(recipe: dict) -> str:
     for eng in recipe["engines"]:
         env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in eng.get("env", {}).items())
         out.append(f"# {eng['name']} ({eng['role']}) on {eng.get('host', '?')}")
-        out.append(f"{env} vllm serve " + " ".join(shlex.quote(a) for a in engine_argv(recipe, eng)[1:][:0]
-                                                  + [recipe["model"]] + engine_argv(recipe, eng)[2:]))
+        out.append(
+            f"{env} vllm serve "
+            + " ".join(shlex.quote(a) for a in [recipe["model"], *engine_argv(recipe, eng)[2:]])
+        )
     out.append(f"# proxy on {recipe['proxy'].get('host', '?')}")
     out.append("pdproxy " + " ".join(shlex.quote(a) for a in recipe["proxy"]["args"]))
     return "\n".join(out)
@@ -95,7 +109,9 @@ def check(path: Path, parser, registry: set[str], KVTransferConfig) -> list[str]
             with contextlib.redirect_stderr(err):
                 ns = parser.parse_args(argv)
         except SystemExit:
-            errors.append(f"{where}: vLLM rejected the arguments: {err.getvalue().strip().splitlines()[-1:]}")
+            errors.append(
+                f"{where}: vLLM rejected the arguments: {err.getvalue().strip().splitlines()[-1:]}"
+            )
             continue
         hp = (eng.get("host"), ns.port)
         if hp in ports:
@@ -107,21 +123,31 @@ def check(path: Path, parser, registry: set[str], KVTransferConfig) -> list[str]
             errors.append(f"{where}: KVTransferConfig rejected {eng['kv_transfer_config']}: {exc}")
             continue
         if kv.kv_connector not in registry:
-            errors.append(f"{where}: kv_connector {kv.kv_connector!r} is not registered in KVConnectorFactory")
+            errors.append(
+                f"{where}: kv_connector {kv.kv_connector!r} is not registered in KVConnectorFactory"
+            )
         want_role = "kv_producer" if eng.get("role") == "prefill" else "kv_consumer"
         if kv.kv_role != want_role:
-            errors.append(f"{where}: kv_role {kv.kv_role!r} but role {eng.get('role')} wants {want_role!r}")
+            errors.append(
+                f"{where}: kv_role {kv.kv_role!r} but role {eng.get('role')} wants {want_role!r}"
+            )
         extra = kv.kv_connector_extra_config or {}
         if kv.kv_connector == "MoRIIOConnector":
             for k in ("proxy_ip", "proxy_ping_port", "http_port", "handshake_port", "notify_port"):
                 if k not in extra:
                     errors.append(f"{where}: MoRIIO needs kv_connector_extra_config.{k}")
             if str(extra.get("http_port")) != str(ns.port):
-                errors.append(f"{where}: MoRIIO http_port {extra.get('http_port')} != --port {ns.port}")
-        print(f"  ok  {recipe['name']}/{where}: {kv.kv_connector} {kv.kv_role}, port {ns.port}, "
-              f"tp {ns.tensor_parallel_size}")
+                errors.append(
+                    f"{where}: MoRIIO http_port {extra.get('http_port')} != --port {ns.port}"
+                )
+        print(
+            f"  ok  {recipe['name']}/{where}: {kv.kv_connector} {kv.kv_role}, port {ns.port}, "
+            f"tp {ns.tensor_parallel_size}"
+        )
     if roles != {"prefill", "decode"}:
-        errors.append(f"needs at least one prefill and one decode engine, has roles {sorted(map(str, roles))}")
+        errors.append(
+            f"needs at least one prefill and one decode engine, has roles {sorted(map(str, roles))}"
+        )
     # pdproxy command line, parsed by pdproxy's own CLI (stdlib + msgpack, both in this venv)
     err = io.StringIO()
     try:
@@ -143,11 +169,15 @@ def check(path: Path, parser, registry: set[str], KVTransferConfig) -> list[str]
         for e in recipe["engines"]:
             extra = e["kv_transfer_config"].get("kv_connector_extra_config", {})
             if int(extra.get("proxy_ping_port", -1)) != pns.registry.port:
-                errors.append(f"{e['name']}: proxy_ping_port != pdproxy --registry-port {pns.registry.port}")
+                errors.append(
+                    f"{e['name']}: proxy_ping_port != pdproxy --registry-port {pns.registry.port}"
+                )
             read = str(extra.get("read_mode", "")).lower() in ("true", "1")
             if (pns.transfer_mode == "READ") != read:
-                errors.append(f"{e['name']}: read_mode {extra.get('read_mode')!r} does not fit --transfer-mode "
-                              f"{pns.transfer_mode}")
+                errors.append(
+                    f"{e['name']}: read_mode {extra.get('read_mode')!r} does not fit --transfer-mode "
+                    f"{pns.transfer_mode}"
+                )
     return errors
 
 
@@ -162,8 +192,14 @@ def ns_served(parser, recipe, eng):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("paths", nargs="*", default=[str(Path(__file__).resolve().parents[2] / "deploy" / "recipes")])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "paths",
+        nargs="*",
+        default=[str(Path(__file__).resolve().parents[2] / "deploy" / "recipes")],
+    )
     ap.add_argument("--render", action="store_true", help="print each recipe's shell commands")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -175,6 +211,7 @@ def main() -> int:
         return 2
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
     registry = set(KVConnectorFactory._registry)
     parser = vllm_parser()
     bad = 0
@@ -189,7 +226,9 @@ def main() -> int:
         bad += bool(errors)
         if args.render and not errors:
             raw = tomllib.loads(f.read_text())
-            print(render(expand({k: v for k, v in raw.items() if k != "vars"}, raw.get("vars", {}))))
+            print(
+                render(expand({k: v for k, v in raw.items() if k != "vars"}, raw.get("vars", {})))
+            )
     print(f"{len(files) - bad} passed, {bad} failed")
     return 1 if bad else 0
 

@@ -25,6 +25,7 @@ Command line (used by engines/engines.mk)::
 Settings come from arguments or from the environment (the make variables of engines/engines.mk):
 PDPROXY_CACHE, VLLM_VENV, VLLM_PYTHON, TINY_MODEL_DIR, ENGINES_RUN_DIR.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 ENGINES_DIR = Path(__file__).resolve().parent
 HOOKS_DIR = ENGINES_DIR / "hooks"
@@ -73,13 +74,25 @@ class Settings:
     python: str = "python3.11"
 
     @classmethod
-    def from_env(cls, **overrides: object) -> "Settings":
+    def from_env(cls, **overrides: object) -> Settings:
         env = os.environ
-        cache = Path(str(overrides.get("cache_dir") or env.get("PDPROXY_CACHE")
-                         or Path.home() / ".cache" / "pdproxy")).expanduser()
-        venv = Path(str(overrides.get("venv") or env.get("VLLM_VENV") or cache / "vllm-venv")).expanduser()
-        model = Path(str(overrides.get("model_dir") or env.get("TINY_MODEL_DIR")
-                         or cache / "models" / "tiny-llama")).expanduser()
+        cache = Path(
+            str(
+                overrides.get("cache_dir")
+                or env.get("PDPROXY_CACHE")
+                or Path.home() / ".cache" / "pdproxy"
+            )
+        ).expanduser()
+        venv = Path(
+            str(overrides.get("venv") or env.get("VLLM_VENV") or cache / "vllm-venv")
+        ).expanduser()
+        model = Path(
+            str(
+                overrides.get("model_dir")
+                or env.get("TINY_MODEL_DIR")
+                or cache / "models" / "tiny-llama"
+            )
+        ).expanduser()
         python = str(overrides.get("python") or env.get("VLLM_PYTHON") or "python3.11")
         return cls(cache_dir=cache, venv=venv, model_dir=model, python=python)
 
@@ -88,12 +101,18 @@ class Settings:
         return self.venv / "bin" / "python"
 
     def default_run_dir(self) -> Path:
-        return Path(os.environ.get("ENGINES_RUN_DIR") or self.cache_dir / "run" / "engines").expanduser()
+        return Path(
+            os.environ.get("ENGINES_RUN_DIR") or self.cache_dir / "run" / "engines"
+        ).expanduser()
 
     def script_env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(PDPROXY_CACHE=str(self.cache_dir), VLLM_VENV=str(self.venv), VLLM_PYTHON=self.python,
-                   TINY_MODEL_DIR=str(self.model_dir))
+        env.update(
+            PDPROXY_CACHE=str(self.cache_dir),
+            VLLM_VENV=str(self.venv),
+            VLLM_PYTHON=self.python,
+            TINY_MODEL_DIR=str(self.model_dir),
+        )
         return env
 
 
@@ -118,8 +137,15 @@ def ensure_model(settings: Settings | None = None) -> Path:
     """Build the tiny model if needed (a few seconds); return its directory."""
     settings = settings or Settings.from_env()
     ensure_venv(settings)
-    proc = subprocess.run([str(settings.venv_python), str(ENGINES_DIR / "build_model.py"),
-                           "--out", str(settings.model_dir)], env=settings.script_env())
+    proc = subprocess.run(
+        [
+            str(settings.venv_python),
+            str(ENGINES_DIR / "build_model.py"),
+            "--out",
+            str(settings.model_dir),
+        ],
+        env=settings.script_env(),
+    )
     if proc.returncode != 0:
         raise EngineError(f"build_model.py failed with exit code {proc.returncode}")
     return settings.model_dir
@@ -135,8 +161,13 @@ def ensure_ready(settings: Settings | None = None) -> Settings:
 # Engine commands
 
 
-def kv_transfer_config(connector: str, role: str, *, shared_storage_path: Path | str | None = None,
-                       kv_lease_duration: int | None = None) -> dict:
+def kv_transfer_config(
+    connector: str,
+    role: str,
+    *,
+    shared_storage_path: Path | str | None = None,
+    kv_lease_duration: int | None = None,
+) -> dict:
     """The --kv-transfer-config dict for a prefill (kv_producer) or decode (kv_consumer) engine."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
@@ -149,8 +180,11 @@ def kv_transfer_config(connector: str, role: str, *, shared_storage_path: Path |
     if connector == "example":
         if shared_storage_path is None:
             raise ValueError("the example connector needs shared_storage_path")
-        return {"kv_connector": "ExampleConnector", "kv_role": kv_role,
-                "kv_connector_extra_config": {"shared_storage_path": str(shared_storage_path)}}
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {"shared_storage_path": str(shared_storage_path)},
+        }
     raise ValueError(f"connector must be one of {CONNECTORS}, not {connector!r}")
 
 
@@ -163,23 +197,55 @@ class EngineSpec:
     host: str = "127.0.0.1"
 
 
-def engine_command(settings: Settings, spec: EngineSpec, connector: str, *,
-                   shared_storage_path: Path | None = None, max_model_len: int = 512,
-                   block_size: int = 32, kv_cache_gib: int = 1, kv_lease_duration: int | None = None,
-                   nixl_prog_thread: bool = False, extra_args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+def engine_command(
+    settings: Settings,
+    spec: EngineSpec,
+    connector: str,
+    *,
+    shared_storage_path: Path | None = None,
+    max_model_len: int = 512,
+    block_size: int = 32,
+    kv_cache_gib: int = 1,
+    kv_lease_duration: int | None = None,
+    nixl_prog_thread: bool = False,
+    extra_args: Sequence[str] = (),
+) -> tuple[list[str], dict[str, str]]:
     """argv and environment for one engine."""
-    kv_cfg = kv_transfer_config(connector, spec.role, shared_storage_path=shared_storage_path,
-                                kv_lease_duration=kv_lease_duration)
-    argv = [str(settings.venv_python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(settings.model_dir), "--served-model-name", SERVED_MODEL_NAME,
-            "--host", spec.host, "--port", str(spec.port),
-            "--enforce-eager", "--max-model-len", str(max_model_len), "--dtype", "float32",
-            "--block-size", str(block_size),
-            "--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":")),
-            *extra_args]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
-           and k not in _OUR_VLLM_VARS}
+    kv_cfg = kv_transfer_config(
+        connector,
+        spec.role,
+        shared_storage_path=shared_storage_path,
+        kv_lease_duration=kv_lease_duration,
+    )
+    argv = [
+        str(settings.venv_python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(settings.model_dir),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--enforce-eager",
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(block_size),
+        "--kv-transfer-config",
+        json.dumps(kv_cfg, separators=(",", ":")),
+        *extra_args,
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+        and k not in _OUR_VLLM_VARS
+    }
     env.update(
         PATH=f"{settings.venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
         VIRTUAL_ENV=str(settings.venv),
@@ -196,9 +262,12 @@ def engine_command(settings: Settings, spec: EngineSpec, connector: str, *,
         PYTHONUNBUFFERED="1",
     )
     if connector == "nixl":
-        env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=spec.host,
-                   VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.side_channel_port),
-                   UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo")
+        env.update(
+            VLLM_NIXL_SIDE_CHANNEL_HOST=spec.host,
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.side_channel_port),
+            UCX_TLS="tcp,self,sm",
+            UCX_NET_DEVICES="lo",
+        )
     return argv, env
 
 
@@ -354,7 +423,9 @@ class Engine:
                 _signal_all(family, pgid, signal.SIGTERM)
             time.sleep(0.25)
         else:
-            _log(f"{self.role} (pid {self.pid}) still running after {timeout:.0f} s; SIGKILL to {sorted(family)}")
+            _log(
+                f"{self.role} (pid {self.pid}) still running after {timeout:.0f} s; SIGKILL to {sorted(family)}"
+            )
             _signal_all(family, pgid, signal.SIGKILL)
             time.sleep(0.5)
         if self._popen is not None:
@@ -413,15 +484,19 @@ def wait_healthy(engines: Sequence[Engine], timeout: float = 300.0, progress: bo
                     _log(f"{eng.role} ready at {eng.url} after {time.monotonic() - t0:.1f} s")
                 pending.remove(eng)
             elif not eng.alive():
-                raise EngineError(f"{eng.role} engine (pid {eng.pid}, port {eng.port}) exited during start-up; "
-                                  f"last lines of {eng.log_path}:\n{eng.log_tail()}")
+                raise EngineError(
+                    f"{eng.role} engine (pid {eng.pid}, port {eng.port}) exited during start-up; "
+                    f"last lines of {eng.log_path}:\n{eng.log_tail()}"
+                )
         if not pending:
             break
         now = time.monotonic()
         if now - t0 > timeout:
             tails = "\n".join(f"--- {e.role}: {e.log_path}\n{e.log_tail()}" for e in pending)
-            raise EngineError(f"timed out after {timeout:.0f} s waiting for /health of "
-                              f"{', '.join(e.role for e in pending)}; last log lines:\n{tails}")
+            raise EngineError(
+                f"timed out after {timeout:.0f} s waiting for /health of "
+                f"{', '.join(e.role for e in pending)}; last log lines:\n{tails}"
+            )
         if progress and now - last_report >= 15:
             last = {e.role: (e.log_tail(1).strip()[:120]) for e in pending}
             _log(f"waiting for {', '.join(e.role for e in pending)} ({now - t0:.0f} s): {last}")
@@ -441,19 +516,40 @@ def load_engines(run_dir: Path) -> list[Engine]:
         path = _state_path(run_dir, role)
         if path.is_file():
             d = json.loads(path.read_text())
-            engines.append(Engine(role=role, port=d["port"], pid=d["pid"], log_path=Path(d["log"]),
-                                  host=d.get("host", "127.0.0.1"), side_channel_port=d.get("side_channel_port")))
+            engines.append(
+                Engine(
+                    role=role,
+                    port=d["port"],
+                    pid=d["pid"],
+                    log_path=Path(d["log"]),
+                    host=d.get("host", "127.0.0.1"),
+                    side_channel_port=d.get("side_channel_port"),
+                )
+            )
     return engines
 
 
-def start_engines(connector: str = "nixl", prefill_port: int = 8100, decode_port: int = 8200, *,
-                  run_dir: Path | str | None = None, settings: Settings | None = None,
-                  prefill_side_channel_port: int = 5600, decode_side_channel_port: int = 5601,
-                  prefill_cpu_bind: str = "0", decode_cpu_bind: str = "1",
-                  shared_storage_path: Path | str | None = None, timeout: float = 300.0,
-                  ensure: bool = True, nixl_prog_thread: bool = False, kv_lease_duration: int | None = None,
-                  max_model_len: int = 512, block_size: int = 32, kv_cache_gib: int = 1,
-                  extra_args: Sequence[str] = ()) -> EnginePair:
+def start_engines(
+    connector: str = "nixl",
+    prefill_port: int = 8100,
+    decode_port: int = 8200,
+    *,
+    run_dir: Path | str | None = None,
+    settings: Settings | None = None,
+    prefill_side_channel_port: int = 5600,
+    decode_side_channel_port: int = 5601,
+    prefill_cpu_bind: str = "0",
+    decode_cpu_bind: str = "1",
+    shared_storage_path: Path | str | None = None,
+    timeout: float = 300.0,
+    ensure: bool = True,
+    nixl_prog_thread: bool = False,
+    kv_lease_duration: int | None = None,
+    max_model_len: int = 512,
+    block_size: int = 32,
+    kv_cache_gib: int = 1,
+    extra_args: Sequence[str] = (),
+) -> EnginePair:
     """Start a prefill and a decode engine in parallel and wait until both are healthy.
 
     On failure both are stopped and EngineError is raised (with the log tails).
@@ -464,15 +560,20 @@ def start_engines(connector: str = "nixl", prefill_port: int = 8100, decode_port
     if ensure:
         ensure_ready(settings)
     elif not (venv_ready(settings) and model_ready(settings)):
-        raise EngineError(f"venv {settings.venv} or model {settings.model_dir} missing; run `make engines-model`")
+        raise EngineError(
+            f"venv {settings.venv} or model {settings.model_dir} missing; run `make engines-model`"
+        )
     run_dir = Path(run_dir) if run_dir is not None else settings.default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     running = [e for e in load_engines(run_dir) if e.alive()]
     if running:
-        raise EngineError(f"engines already running from {run_dir}: "
-                          f"{', '.join(f'{e.role} pid {e.pid} port {e.port}' for e in running)}; stop them first")
-    for port in (prefill_port, decode_port) + ((prefill_side_channel_port, decode_side_channel_port)
-                                               if connector == "nixl" else ()):
+        raise EngineError(
+            f"engines already running from {run_dir}: "
+            f"{', '.join(f'{e.role} pid {e.pid} port {e.port}' for e in running)}; stop them first"
+        )
+    for port in (prefill_port, decode_port) + (
+        (prefill_side_channel_port, decode_side_channel_port) if connector == "nixl" else ()
+    ):
         if _port_in_use(port):
             raise EngineError(f"port {port} on 127.0.0.1 is already in use")
 
@@ -484,33 +585,69 @@ def start_engines(connector: str = "nixl", prefill_port: int = 8100, decode_port
         shutil.rmtree(store, ignore_errors=True)
         store.mkdir(parents=True)
 
-    specs = [EngineSpec("prefill", prefill_port, prefill_cpu_bind, prefill_side_channel_port),
-             EngineSpec("decode", decode_port, decode_cpu_bind, decode_side_channel_port)]
+    specs = [
+        EngineSpec("prefill", prefill_port, prefill_cpu_bind, prefill_side_channel_port),
+        EngineSpec("decode", decode_port, decode_cpu_bind, decode_side_channel_port),
+    ]
     engines: list[Engine] = []
     t0 = time.monotonic()
     try:
         for spec in specs:
-            argv, env = engine_command(settings, spec, connector, shared_storage_path=store,
-                                       max_model_len=max_model_len, block_size=block_size,
-                                       kv_cache_gib=kv_cache_gib, kv_lease_duration=kv_lease_duration,
-                                       nixl_prog_thread=nixl_prog_thread, extra_args=extra_args)
+            argv, env = engine_command(
+                settings,
+                spec,
+                connector,
+                shared_storage_path=store,
+                max_model_len=max_model_len,
+                block_size=block_size,
+                kv_cache_gib=kv_cache_gib,
+                kv_lease_duration=kv_lease_duration,
+                nixl_prog_thread=nixl_prog_thread,
+                extra_args=extra_args,
+            )
             log_path = run_dir / f"{spec.role}.log"
             with open(log_path, "wb") as logf:
                 logf.write(("$ " + " ".join(argv) + "\n").encode())
                 logf.flush()
-                popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=logf,
-                                         stderr=subprocess.STDOUT, start_new_session=True, cwd=str(run_dir))
-            eng = Engine(role=spec.role, port=spec.port, pid=popen.pid, log_path=log_path, host=spec.host,
-                         side_channel_port=spec.side_channel_port if connector == "nixl" else None,
-                         _popen=popen)
+                popen = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    cwd=str(run_dir),
+                )
+            eng = Engine(
+                role=spec.role,
+                port=spec.port,
+                pid=popen.pid,
+                log_path=log_path,
+                host=spec.host,
+                side_channel_port=spec.side_channel_port if connector == "nixl" else None,
+                _popen=popen,
+            )
             engines.append(eng)
-            _state_path(run_dir, spec.role).write_text(json.dumps(
-                {"role": spec.role, "pid": popen.pid, "port": spec.port, "host": spec.host,
-                 "log": str(log_path), "connector": connector,
-                 "side_channel_port": eng.side_channel_port, "argv": argv}, indent=1))
+            _state_path(run_dir, spec.role).write_text(
+                json.dumps(
+                    {
+                        "role": spec.role,
+                        "pid": popen.pid,
+                        "port": spec.port,
+                        "host": spec.host,
+                        "log": str(log_path),
+                        "connector": connector,
+                        "side_channel_port": eng.side_channel_port,
+                        "argv": argv,
+                    },
+                    indent=1,
+                )
+            )
             (run_dir / f"{spec.role}.pid").write_text(f"{popen.pid}\n")
-            _log(f"started {spec.role} engine: pid {popen.pid}, port {spec.port}, connector {connector}, "
-                 f"cpu bind {spec.cpu_bind}, log {log_path}")
+            _log(
+                f"started {spec.role} engine: pid {popen.pid}, port {spec.port}, connector {connector}, "
+                f"cpu bind {spec.cpu_bind}, log {log_path}"
+            )
         _log(f"waiting up to {timeout:.0f} s for /health (about 30 s on a quiet machine) ...")
         wait_healthy(engines, timeout=timeout)
     except BaseException:
@@ -519,10 +656,19 @@ def start_engines(connector: str = "nixl", prefill_port: int = 8100, decode_port
         _cleanup_state(run_dir)
         raise
     elapsed = time.monotonic() - t0
-    _log(f"both engines healthy in {elapsed:.1f} s: prefill {engines[0].url}, decode {engines[1].url}, "
-         f"model {SERVED_MODEL_NAME!r}")
-    return EnginePair(prefill=engines[0], decode=engines[1], connector=connector, run_dir=run_dir,
-                      model_dir=settings.model_dir, shared_storage_path=store, startup_seconds=elapsed)
+    _log(
+        f"both engines healthy in {elapsed:.1f} s: prefill {engines[0].url}, decode {engines[1].url}, "
+        f"model {SERVED_MODEL_NAME!r}"
+    )
+    return EnginePair(
+        prefill=engines[0],
+        decode=engines[1],
+        connector=connector,
+        run_dir=run_dir,
+        model_dir=settings.model_dir,
+        shared_storage_path=store,
+        startup_seconds=elapsed,
+    )
 
 
 def _cleanup_state(run_dir: Path) -> None:
@@ -532,8 +678,11 @@ def _cleanup_state(run_dir: Path) -> None:
                 (run_dir / f"{role}{suffix}").unlink()
 
 
-def stop_engines(run_dir: Path | str | None = None, timeout: float = 30.0,
-                 engines: Sequence[Engine] | None = None) -> list[Engine]:
+def stop_engines(
+    run_dir: Path | str | None = None,
+    timeout: float = 30.0,
+    engines: Sequence[Engine] | None = None,
+) -> list[Engine]:
     """Stop the engines recorded in run_dir (SIGTERM, then SIGKILL after timeout, children included)."""
     run_dir = Path(run_dir) if run_dir is not None else Settings.from_env().default_run_dir()
     engines = list(engines) if engines is not None else load_engines(run_dir)
@@ -552,16 +701,31 @@ def engine_status(run_dir: Path | str | None = None) -> list[dict]:
     out = []
     for eng in load_engines(run_dir):
         alive = eng.alive()
-        out.append({"role": eng.role, "pid": eng.pid, "port": eng.port, "url": eng.url, "alive": alive,
-                    "healthy": alive and eng.healthy(), "processes": len(_family(eng.pid, eng.pid)),
-                    "log": str(eng.log_path)})
+        out.append(
+            {
+                "role": eng.role,
+                "pid": eng.pid,
+                "port": eng.port,
+                "url": eng.url,
+                "alive": alive,
+                "healthy": alive and eng.healthy(),
+                "processes": len(_family(eng.pid, eng.pid)),
+                "log": str(eng.log_path),
+            }
+        )
     return out
 
 
 @contextlib.contextmanager
-def vllm_engines(connector: str = "nixl", prefill_port: int | None = None, decode_port: int | None = None,
-                 *, run_dir: Path | str | None = None, keep_run_dir: bool = False,
-                 **kwargs) -> Iterator[EnginePair]:
+def vllm_engines(
+    connector: str = "nixl",
+    prefill_port: int | None = None,
+    decode_port: int | None = None,
+    *,
+    run_dir: Path | str | None = None,
+    keep_run_dir: bool = False,
+    **kwargs,
+) -> Iterator[EnginePair]:
     """Context manager: ensure venv+model, start P and D, yield an EnginePair, stop both on exit.
 
     Ports default to free ephemeral ports (NIXL side-channel ports too); the run dir defaults to a
@@ -579,7 +743,9 @@ def vllm_engines(connector: str = "nixl", prefill_port: int | None = None, decod
         base = settings.cache_dir / "run"
         base.mkdir(parents=True, exist_ok=True)
         run_dir = Path(tempfile.mkdtemp(prefix=f"{connector}-", dir=base))
-    pair = start_engines(connector, prefill_port, decode_port, run_dir=run_dir, settings=settings, **kwargs)
+    pair = start_engines(
+        connector, prefill_port, decode_port, run_dir=run_dir, settings=settings, **kwargs
+    )
     try:
         yield pair
     finally:
@@ -600,15 +766,25 @@ def _main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--connector", default=os.environ.get("CONNECTOR", "nixl"), choices=CONNECTORS)
     up.add_argument("--prefill-port", type=int, default=int(os.environ.get("PREFILL_PORT", 8100)))
     up.add_argument("--decode-port", type=int, default=int(os.environ.get("DECODE_PORT", 8200)))
-    up.add_argument("--prefill-side-channel-port", type=int,
-                    default=int(os.environ.get("PREFILL_NIXL_PORT", 5600)))
-    up.add_argument("--decode-side-channel-port", type=int, default=int(os.environ.get("DECODE_NIXL_PORT", 5601)))
+    up.add_argument(
+        "--prefill-side-channel-port",
+        type=int,
+        default=int(os.environ.get("PREFILL_NIXL_PORT", 5600)),
+    )
+    up.add_argument(
+        "--decode-side-channel-port",
+        type=int,
+        default=int(os.environ.get("DECODE_NIXL_PORT", 5601)),
+    )
     up.add_argument("--prefill-cpu-bind", default=os.environ.get("PREFILL_CPU_BIND", "0"))
     up.add_argument("--decode-cpu-bind", default=os.environ.get("DECODE_CPU_BIND", "1"))
     up.add_argument("--shared-storage-path", default=os.environ.get("KV_STORE_DIR") or None)
     up.add_argument("--timeout", type=float, default=float(os.environ.get("ENGINES_TIMEOUT", 300)))
-    up.add_argument("--nixl-prog-thread", action="store_true",
-                    help="keep NIXL's UCX progress thread (spins ~100%% CPU when idle); off by default")
+    up.add_argument(
+        "--nixl-prog-thread",
+        action="store_true",
+        help="keep NIXL's UCX progress thread (spins ~100%% CPU when idle); off by default",
+    )
     up.add_argument("--kv-lease-duration", type=int, default=None)
     for name in ("up", "down", "status"):
         p = up if name == "up" else sub.add_parser(name, help=f"{name} the engines")
@@ -621,26 +797,54 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "ensure":
             ensure_ready(settings)
         elif args.cmd == "up":
-            pair = start_engines(args.connector, args.prefill_port, args.decode_port, run_dir=run_dir,
-                                 settings=settings, prefill_side_channel_port=args.prefill_side_channel_port,
-                                 decode_side_channel_port=args.decode_side_channel_port,
-                                 prefill_cpu_bind=args.prefill_cpu_bind, decode_cpu_bind=args.decode_cpu_bind,
-                                 shared_storage_path=args.shared_storage_path, timeout=args.timeout,
-                                 nixl_prog_thread=args.nixl_prog_thread, kv_lease_duration=args.kv_lease_duration)
-            print(json.dumps({"prefill": pair.prefill_url, "decode": pair.decode_url, "model": pair.model,
-                              "connector": pair.connector, "run_dir": str(pair.run_dir),
-                              "startup_seconds": round(pair.startup_seconds, 1)}))
+            pair = start_engines(
+                args.connector,
+                args.prefill_port,
+                args.decode_port,
+                run_dir=run_dir,
+                settings=settings,
+                prefill_side_channel_port=args.prefill_side_channel_port,
+                decode_side_channel_port=args.decode_side_channel_port,
+                prefill_cpu_bind=args.prefill_cpu_bind,
+                decode_cpu_bind=args.decode_cpu_bind,
+                shared_storage_path=args.shared_storage_path,
+                timeout=args.timeout,
+                nixl_prog_thread=args.nixl_prog_thread,
+                kv_lease_duration=args.kv_lease_duration,
+            )
+            print(
+                json.dumps(
+                    {
+                        "prefill": pair.prefill_url,
+                        "decode": pair.decode_url,
+                        "model": pair.model,
+                        "connector": pair.connector,
+                        "run_dir": str(pair.run_dir),
+                        "startup_seconds": round(pair.startup_seconds, 1),
+                    }
+                )
+            )
         elif args.cmd == "down":
             stopped = stop_engines(run_dir)
-            _log(f"stopped {len(stopped)} engine(s)" if stopped else f"no engines running from {run_dir}")
+            _log(
+                f"stopped {len(stopped)} engine(s)"
+                if stopped
+                else f"no engines running from {run_dir}"
+            )
         elif args.cmd == "status":
             rows = engine_status(run_dir)
             if not rows:
                 print(f"no engines recorded in {run_dir}")
             for r in rows:
-                state = "healthy" if r["healthy"] else ("running, not healthy" if r["alive"] else "dead")
-                print(f"{r['role']:8} pid {r['pid']:<7} {r['url']:24} {state:20} "
-                      f"{r['processes']} process(es)  log {r['log']}")
+                state = (
+                    "healthy"
+                    if r["healthy"]
+                    else ("running, not healthy" if r["alive"] else "dead")
+                )
+                print(
+                    f"{r['role']:8} pid {r['pid']:<7} {r['url']:24} {state:20} "
+                    f"{r['processes']} process(es)  log {r['log']}"
+                )
             return 0 if rows and all(r["healthy"] for r in rows) else 1
     except EngineError as exc:
         _log(f"ERROR: {exc}")

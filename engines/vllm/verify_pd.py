@@ -18,6 +18,7 @@ What it does (temperature 0, completions API, prompts sent as token-id lists of 
   its output must differ from C's baseline. Example: overwrite the stored tensors of a prompt with
   noise (needs the vLLM venv's python for safetensors) and check D's output changes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,36 +31,38 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import SERVED_MODEL_NAME, metric_value, parse_metrics  # noqa: E402
+from launch import SERVED_MODEL_NAME, metric_value, parse_metrics
 
 TEXTS = {
     "A": "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(description='demo')\n"
-         "    parser.add_argument('--path', default=os.getcwd())\n    args = parser.parse_args(argv)\n"
-         "    for name in sorted(os.listdir(args.path)):\n        print(name)\n    return 0\n\n\n"
-         "class Cache(dict):\n    def __missing__(self, key):\n        value = self[key] = len(key)\n"
-         "        return value\n\n\nif __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))\n",
+    "    parser.add_argument('--path', default=os.getcwd())\n    args = parser.parse_args(argv)\n"
+    "    for name in sorted(os.listdir(args.path)):\n        print(name)\n    return 0\n\n\n"
+    "class Cache(dict):\n    def __missing__(self, key):\n        value = self[key] = len(key)\n"
+    "        return value\n\n\nif __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))\n",
     "B": "class Queue:\n    '''A simple FIFO queue built on a list.'''\n\n    def __init__(self, maxsize=0):\n"
-         "        self.maxsize = maxsize\n        self._items = []\n\n    def put(self, item):\n"
-         "        if self.maxsize and len(self._items) >= self.maxsize:\n            raise ValueError('full')\n"
-         "        self._items.append(item)\n\n    def get(self):\n        return self._items.pop(0)\n\n"
-         "    def __len__(self):\n        return len(self._items)\n\n    def __repr__(self):\n"
-         "        return f'Queue({self._items!r})'\n",
+    "        self.maxsize = maxsize\n        self._items = []\n\n    def put(self, item):\n"
+    "        if self.maxsize and len(self._items) >= self.maxsize:\n            raise ValueError('full')\n"
+    "        self._items.append(item)\n\n    def get(self):\n        return self._items.pop(0)\n\n"
+    "    def __len__(self):\n        return len(self._items)\n\n    def __repr__(self):\n"
+    "        return f'Queue({self._items!r})'\n",
     "C": "def read_config(filename, encoding='utf-8'):\n    result = {}\n    with open(filename, encoding=encoding) as f:\n"
-         "        for line in f:\n            line = line.strip()\n            if not line or line.startswith('#'):\n"
-         "                continue\n            key, _, value = line.partition('=')\n"
-         "            result[key.strip()] = value.strip()\n    return result\n\n\n"
-         "def write_config(filename, data):\n    with open(filename, 'w') as f:\n"
-         "        for key, value in data.items():\n            f.write(f'{key} = {value}\\n')\n",
+    "        for line in f:\n            line = line.strip()\n            if not line or line.startswith('#'):\n"
+    "                continue\n            key, _, value = line.partition('=')\n"
+    "            result[key.strip()] = value.strip()\n    return result\n\n\n"
+    "def write_config(filename, data):\n    with open(filename, 'w') as f:\n"
+    "        for key, value in data.items():\n            f.write(f'{key} = {value}\\n')\n",
     "D": "try:\n    import json\nexcept ImportError:\n    json = None\n\n\ndef dump(obj, stream=None, indent=4):\n"
-         "    text = json.dumps(obj, indent=indent, sort_keys=True)\n    if stream is None:\n        return text\n"
-         "    stream.write(text)\n    stream.flush()\n\n\ndef load(stream):\n    data = stream.read()\n"
-         "    if not data:\n        raise EOFError('empty stream')\n    return json.loads(data)\n\n\n"
-         "__all__ = ['dump', 'load']\n",
+    "    text = json.dumps(obj, indent=indent, sort_keys=True)\n    if stream is None:\n        return text\n"
+    "    stream.write(text)\n    stream.flush()\n\n\ndef load(stream):\n    data = stream.read()\n"
+    "    if not data:\n        raise EOFError('empty stream')\n    return json.loads(data)\n\n\n"
+    "__all__ = ['dump', 'load']\n",
 }
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> tuple[dict, float]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         data = json.loads(resp.read())
@@ -74,9 +77,15 @@ def metrics(url: str) -> dict[str, float]:
 def counters(url: str) -> dict[str, float]:
     m = metrics(url)
     return {
-        "external_kv_transfer": metric_value(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
-        "local_compute": metric_value(m, "vllm:prompt_tokens_by_source_total", source="local_compute"),
-        "local_cache_hit": metric_value(m, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"),
+        "external_kv_transfer": metric_value(
+            m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        ),
+        "local_compute": metric_value(
+            m, "vllm:prompt_tokens_by_source_total", source="local_compute"
+        ),
+        "local_cache_hit": metric_value(
+            m, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
+        ),
         "nixl_xfer_count": metric_value(m, "vllm:nixl_xfer_time_seconds_count"),
         "external_prefix_cache_hits": metric_value(m, "vllm:external_prefix_cache_hits_total"),
     }
@@ -95,8 +104,15 @@ def tokens(url: str, text: str, n: int) -> list[int]:
 
 
 def body(prompt: list[int], max_tokens: int, **extra) -> dict:
-    return {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": False, **extra}
+    return {
+        "model": SERVED_MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": False,
+        **extra,
+    }
 
 
 def p_leg(p_url: str, b: dict, connector: str) -> tuple[dict | None, float]:
@@ -117,27 +133,41 @@ def noise_store(store: Path, venv_python: str) -> int:
         "for p in pathlib.Path(sys.argv[1]).rglob('*.safetensors'):\n"
         "    d = load_file(str(p)); torch.manual_seed(1)\n"
         "    save_file({k: torch.randn_like(v) * 3 for k, v in d.items()}, str(p)); n += 1\n"
-        "print(n)\n")
-    out = subprocess.run([venv_python, "-c", code, str(store)], check=True, capture_output=True, text=True)
+        "print(n)\n"
+    )
+    out = subprocess.run(
+        [venv_python, "-c", code, str(store)], check=True, capture_output=True, text=True
+    )
     return int(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--connector", choices=("nixl", "example"), default="nixl")
     ap.add_argument("--prefill", default="http://127.0.0.1:8100")
     ap.add_argument("--decode", default="http://127.0.0.1:8200")
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--baseline", type=Path, help="JSON from an earlier NIXL run (for --connector example)")
-    ap.add_argument("--store", type=Path, help="ExampleConnector shared_storage_path (for the noise control)")
+    ap.add_argument(
+        "--baseline", type=Path, help="JSON from an earlier NIXL run (for --connector example)"
+    )
+    ap.add_argument(
+        "--store", type=Path, help="ExampleConnector shared_storage_path (for the noise control)"
+    )
     ap.add_argument("--venv-python", help="the vLLM venv's python (for the noise control)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     P, D, n = args.prefill, args.decode, args.prompt_tokens
     prompts = {k: tokens(D, v, n) for k, v in TEXTS.items()}
-    res: dict = {"connector": args.connector, "prompt_tokens": n, "max_tokens": args.max_tokens,
-                 "baseline": {}, "checks": {}}
+    res: dict = {
+        "connector": args.connector,
+        "prompt_tokens": n,
+        "max_tokens": args.max_tokens,
+        "baseline": {},
+        "checks": {},
+    }
     ok = True
 
     def check(name: str, cond: bool, **info) -> None:
@@ -152,7 +182,10 @@ def main() -> int:
 
     if args.connector == "nixl":
         for k in ("A", "C", "D"):
-            data, dt = post(D + "/v1/completions", body(prompts[k], args.max_tokens, cache_salt=uuid.uuid4().hex))
+            data, dt = post(
+                D + "/v1/completions",
+                body(prompts[k], args.max_tokens, cache_salt=uuid.uuid4().hex),
+            )
             res["baseline"][k] = {"text": text_of(data), "latency_s": round(dt, 3)}
     else:
         if not args.baseline:
@@ -170,11 +203,21 @@ def main() -> int:
     total = time.perf_counter() - t0
     after = counters(D)
     dd = delta(before, after)
-    res["disagg"] = {"kv_transfer_params": params, "text": text_of(d_resp), "p_latency_s": round(p_dt, 3),
-                     "d_latency_s": round(d_dt, 3), "total_s": round(total, 3), "decode_metric_deltas": dd}
+    res["disagg"] = {
+        "kv_transfer_params": params,
+        "text": text_of(d_resp),
+        "p_latency_s": round(p_dt, 3),
+        "d_latency_s": round(d_dt, 3),
+        "total_s": round(total, 3),
+        "decode_metric_deltas": dd,
+    }
     print(f"[verify] P kv_transfer_params: {json.dumps(params)}", flush=True)
-    check("disagg_output_equals_baseline", text_of(d_resp) == res["baseline"]["A"]["text"],
-          disagg=text_of(d_resp), baseline=res["baseline"]["A"]["text"])
+    check(
+        "disagg_output_equals_baseline",
+        text_of(d_resp) == res["baseline"]["A"]["text"],
+        disagg=text_of(d_resp),
+        baseline=res["baseline"]["A"]["text"],
+    )
     check("external_kv_tokens_rose", dd["external_kv_transfer"] > 0, deltas=dd)
     if args.connector == "nixl":
         check("nixl_xfer_count_rose", dd["nixl_xfer_count"] >= 1, deltas=dd)
@@ -186,12 +229,20 @@ def main() -> int:
     if args.connector == "nixl":
         before = counters(D)
         other_params, _ = p_leg(P, body(prompts["D"], args.max_tokens), "nixl")
-        wrong, _ = post(D + "/v1/completions", body(prompts["C"], args.max_tokens, kv_transfer_params=other_params))
+        wrong, _ = post(
+            D + "/v1/completions",
+            body(prompts["C"], args.max_tokens, kv_transfer_params=other_params),
+        )
         dd = delta(before, counters(D))
         res["negative"] = {"text": text_of(wrong), "decode_metric_deltas": dd}
-        check("negative_control_output_differs", text_of(wrong) != res["baseline"]["C"]["text"],
-              wrong=text_of(wrong), baseline_C=res["baseline"]["C"]["text"],
-              baseline_D=res["baseline"]["D"]["text"], deltas=dd)
+        check(
+            "negative_control_output_differs",
+            text_of(wrong) != res["baseline"]["C"]["text"],
+            wrong=text_of(wrong),
+            baseline_C=res["baseline"]["C"]["text"],
+            baseline_D=res["baseline"]["D"]["text"],
+            deltas=dd,
+        )
     elif args.store and args.venv_python:
         # C: P stores, noise overwrites, D loads noise -> output must differ from the clean baseline.
         p_leg(P, body(prompts["C"], args.max_tokens), "example")
@@ -199,21 +250,39 @@ def main() -> int:
         before = counters(D)
         noisy, _ = post(D + "/v1/completions", body(prompts["C"], args.max_tokens))
         dd = delta(before, counters(D))
-        res["negative"] = {"text": text_of(noisy), "files_noised": nfiles, "decode_metric_deltas": dd}
-        check("negative_control_noise_changes_output", text_of(noisy) != res["baseline"]["C"]["text"],
-              noisy=text_of(noisy), baseline_C=res["baseline"]["C"]["text"], files=nfiles, deltas=dd)
+        res["negative"] = {
+            "text": text_of(noisy),
+            "files_noised": nfiles,
+            "decode_metric_deltas": dd,
+        }
+        check(
+            "negative_control_noise_changes_output",
+            text_of(noisy) != res["baseline"]["C"]["text"],
+            noisy=text_of(noisy),
+            baseline_C=res["baseline"]["C"]["text"],
+            files=nfiles,
+            deltas=dd,
+        )
 
     # Latency sample: 5 disaggregated requests with fresh prompts (rotated token lists).
     lat = []
     for i in range(5):
-        pr = prompts["B"][i + 1:] + prompts["B"][: i + 1]
+        pr = prompts["B"][i + 1 :] + prompts["B"][: i + 1]
         t0 = time.perf_counter()
         params, _ = p_leg(P, body(pr, args.max_tokens), args.connector)
-        post(D + "/v1/completions", dict(body(pr, args.max_tokens), **({"kv_transfer_params": params}
-                                                                       if args.connector == "nixl" else {})))
+        post(
+            D + "/v1/completions",
+            dict(
+                body(pr, args.max_tokens),
+                **({"kv_transfer_params": params} if args.connector == "nixl" else {}),
+            ),
+        )
         lat.append(round(time.perf_counter() - t0, 3))
     res["disagg_latencies_s"] = lat
-    print(f"[verify] 1P1D end-to-end latency ({n} prompt + {args.max_tokens} output tokens): {lat}", flush=True)
+    print(
+        f"[verify] 1P1D end-to-end latency ({n} prompt + {args.max_tokens} output tokens): {lat}",
+        flush=True,
+    )
     res["ok"] = ok
     if args.out:
         args.out.write_text(json.dumps(res, indent=2))

@@ -14,6 +14,7 @@ or a plain ``nixl._api``) has been executed. ``nixl_agent(name)`` without a conf
 Set PDPROXY_NIXL_PROG_THREAD=1 to keep NIXL's default (progress thread on).
 Set PDPROXY_NIXL_HOOK_FORCE=1 to override an explicit ``enable_prog_thread=True`` as well.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -41,7 +42,7 @@ class _BindProxy:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def nixlAgent(self, name, config):  # noqa: N802
+    def nixlAgent(self, name, config):
         if getattr(config, "useProgThread", False):
             config.pthrDelay = self._delay_us
         return self._real.nixlAgent(name, config)
@@ -49,11 +50,17 @@ class _BindProxy:
 
 def _patch(module) -> None:
     if _MODE == "delay":
-        if not isinstance(getattr(module, "nixlBind", None), _BindProxy) and hasattr(module, "nixlBind"):
+        if not isinstance(getattr(module, "nixlBind", None), _BindProxy) and hasattr(
+            module, "nixlBind"
+        ):
             module.nixlBind = _BindProxy(module.nixlBind, _DELAY_US)
             if os.environ.get("PDPROXY_NIXL_HOOK_VERBOSE") == "1":
-                print(f"[pdproxy hook] {module.__name__}: progress thread kept, pthrDelay={_DELAY_US} us "
-                      f"(pid {os.getpid()})", file=sys.stderr, flush=True)
+                print(
+                    f"[pdproxy hook] {module.__name__}: progress thread kept, pthrDelay={_DELAY_US} us "
+                    f"(pid {os.getpid()})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return
     cls = getattr(module, "nixl_agent_config", None)
     if cls is None or getattr(cls, "_pdproxy_patched", False):
@@ -64,7 +71,7 @@ def _patch(module) -> None:
     sync_t = getattr(module, "nixl_thread_sync_t", None)
     strict = getattr(sync_t, _SYNC_MODE, None) if sync_t is not None and _SYNC_MODE else None
 
-    def __init__(self, *args, **kwargs):  # noqa: N807
+    def __init__(self, *args, **kwargs):
         if not args and ("enable_prog_thread" not in kwargs or force):
             kwargs["enable_prog_thread"] = False
             # Without the progress thread the agent is used from several vLLM threads (engine step,
@@ -79,9 +86,13 @@ def _patch(module) -> None:
     cls.__init__ = __init__
     cls._pdproxy_patched = True
     if os.environ.get("PDPROXY_NIXL_HOOK_VERBOSE") == "1":
-        print(f"[pdproxy hook] {module.__name__}.nixl_agent_config: enable_prog_thread=False, "
-              f"sync_mode={_SYNC_MODE or 'default'} "
-              f"(pid {os.getpid()})", file=sys.stderr, flush=True)
+        print(
+            f"[pdproxy hook] {module.__name__}.nixl_agent_config: enable_prog_thread=False, "
+            f"sync_mode={_SYNC_MODE or 'default'} "
+            f"(pid {os.getpid()})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class _Loader(importlib.abc.Loader):
