@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,19 +28,26 @@ from pdproxy.errors import (
 _PROBE_CONNECTIONS = 16
 
 
+_FAILURES = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+
+
+def _translate(exc: BaseException, leg: str, url: str) -> UpstreamError:
+    """The most specific pdproxy error for an aiohttp/asyncio failure."""
+    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+        return UpstreamConnectError(f"cannot connect to {leg} engine {url}", leg=leg)
+    if isinstance(exc, (aiohttp.SocketTimeoutError, asyncio.TimeoutError)):
+        return UpstreamTimeout(f"{leg} engine {url} did not answer in time", leg=leg)
+    return UpstreamProtocolError(
+        f"{leg} engine {url} broke the connection ({type(exc).__name__})", leg=leg
+    )
+
+
 @contextlib.contextmanager
 def _mapped_errors(leg: str, url: str) -> Iterator[None]:
-    """Translate aiohttp/asyncio failures into the most specific pdproxy error."""
     try:
         yield
-    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-        raise UpstreamConnectError(f"cannot connect to {leg} engine {url}", leg=leg) from exc
-    except (aiohttp.SocketTimeoutError, asyncio.TimeoutError) as exc:
-        raise UpstreamTimeout(f"{leg} engine {url} did not answer in time", leg=leg) from exc
-    except (aiohttp.ClientError, OSError) as exc:
-        raise UpstreamProtocolError(
-            f"{leg} engine {url} broke the connection ({type(exc).__name__})", leg=leg
-        ) from exc
+    except _FAILURES as exc:
+        raise _translate(exc, leg, url) from exc
 
 
 @dataclass(slots=True)
@@ -57,12 +64,15 @@ class UpstreamResponse:
         with _mapped_errors(self.leg, self.url):
             return await self._response.read()
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, chunk by chunk, without parsing it."""
-        content = self._response.content
-        with _mapped_errors(self.leg, self.url):
-            async for chunk in content.iter_any():
-                yield chunk
+    async def read_chunk(self) -> bytes:
+        """Whatever body bytes have arrived (waiting for some), unparsed; b"" at the end.
+
+        Per streamed token, so a plain coroutine rather than layers of async generators.
+        """
+        try:
+            return await self._response.content.readany()
+        except _FAILURES as exc:
+            raise _translate(exc, self.leg, self.url) from exc
 
     def release(self) -> None:
         """Done with a fully read body: the connection goes back to the pool."""

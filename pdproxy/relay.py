@@ -7,7 +7,7 @@ instead of a silent truncation.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import orjson
 
@@ -35,29 +35,45 @@ class StreamRelay:
         self._upstream = upstream
         self._on_close: Callable[[], None] | None = on_close
         self._failure: ProxyError | None = None
+        self._done = False
+        self._tail = b""  # the stream's last bytes, where its end marker lies
 
     def abort(self, failure: ProxyError) -> None:
         """Stop relaying because of ``failure`` (e.g. the concurrent prefill failed)."""
         self._failure = failure
         self._upstream.close()
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        tail = b""
+    async def next_chunk(self) -> bytes | None:
+        """The next bytes for the client, or None once the stream is over.
+
+        A broken or cut upstream yields one last chunk: the terminal error event.
+        """
+        if self._done:
+            return None
         try:
-            async for chunk in self._upstream.chunks():
-                tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
-                yield chunk
-            if not tail.rstrip().endswith(_DONE):
-                raise UpstreamProtocolError("decode engine ended the stream early", leg="decode")
-            self._upstream.release()  # complete: keep the connection for the next request
+            chunk = await self._upstream.read_chunk()
         except UpstreamError as exc:
-            failure = self._failure or exc
-            separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-            yield separator + sse_error_event(failure)
-        finally:
-            self.close()
+            return self._fail(exc)
+        if chunk:
+            # A token's chunk is longer than the marker: keep a reference, copy nothing.
+            self._tail = chunk if len(chunk) >= _TAIL else (self._tail + chunk)[-_TAIL:]
+            return chunk
+        if not self._tail.rstrip().endswith(_DONE):
+            return self._fail(
+                UpstreamProtocolError("decode engine ended the stream early", leg="decode")
+            )
+        self._done = True
+        self._upstream.release()  # complete: keep the connection for the next request
+        return None
+
+    def _fail(self, error: UpstreamError) -> bytes:
+        self._done = True
+        tail = self._tail
+        separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+        return separator + sse_error_event(self._failure or error)
 
     def close(self) -> None:
+        self._done = True
         self._upstream.close()
         on_close, self._on_close = self._on_close, None
         if on_close is not None:

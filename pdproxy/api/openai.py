@@ -143,7 +143,7 @@ async def _send_stream(send: Send, stream: StreamRelay) -> None:
     """Relay chunk by chunk; the chunk that ends with ``[DONE]`` also ends the response, so
     the terminator does not cost a write of its own."""
     finished = False
-    async for chunk in stream:
+    while (chunk := await stream.next_chunk()) is not None:
         if finished:
             continue  # nothing follows [DONE] in vLLM's streams
         finished = chunk.endswith(SSE_DONE)
