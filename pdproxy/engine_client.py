@@ -61,8 +61,10 @@ class UpstreamResponse:
     _response: aiohttp.ClientResponse
 
     async def read(self) -> bytes:
-        with _mapped_errors(self.leg, self.url):
+        try:
             return await self._response.read()
+        except _FAILURES as exc:
+            raise _translate(exc, self.leg, self.url) from exc
 
     async def read_chunk(self) -> bytes:
         """Whatever body bytes have arrived (waiting for some), unparsed; b"" at the end.
@@ -124,8 +126,10 @@ class EngineClient:
     ) -> UpstreamResponse:
         """POST and wait for the response headers; the body is left to the caller."""
         session = self._require(self._session)
-        with _mapped_errors(leg, url):
+        try:  # per leg, so no context manager: a plain try costs nothing when nothing fails
             response = await session.post(url, data=body, headers=headers)
+        except _FAILURES as exc:
+            raise _translate(exc, leg, url) from exc
         content_type = response.headers.get("Content-Type", "application/json")
         return UpstreamResponse(response.status, content_type, leg, url, response)
 
