@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,11 @@ from pdproxy.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _deadline
+else:  # pragma: no cover - aiohttp depends on async-timeout below 3.11
+    from async_timeout import timeout as _deadline
 
 _PROBE_CONNECTIONS = 16
 
@@ -60,9 +66,11 @@ class UpstreamResponse:
     url: str
     _response: aiohttp.ClientResponse
 
-    async def read(self) -> bytes:
+    async def read(self, timeout: float) -> bytes:
+        """The whole body; ``timeout`` bounds the wait (an answer that comes only at the end)."""
         try:
-            return await self._response.read()
+            async with _deadline(timeout):
+                return await self._response.read()
         except _FAILURES as exc:
             raise _translate(exc, self.leg, self.url) from exc
 
@@ -100,9 +108,11 @@ class EngineClient:
         )
         self._session = aiohttp.ClientSession(
             connector=legs,
-            # No total timeout: a stream lasts as long as the engine generates.
+            # No total timeout: a stream lasts as long as the engine generates. No sock_read
+            # either: aiohttp would re-arm a timer on every chunk; waits for an answer are
+            # bounded per call here, and a stream's silence by the relay's watchdog.
             timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self._timeouts.connect, sock_read=self._timeouts.read
+                total=None, sock_connect=self._timeouts.connect, sock_read=None
             ),
             auto_decompress=False,
             # vLLM does not compress, and the engines need no client banner.
@@ -124,10 +134,12 @@ class EngineClient:
     async def post(
         self, url: str, body: bytes, headers: Mapping[str, str], *, leg: str
     ) -> UpstreamResponse:
-        """POST and wait for the response headers; the body is left to the caller."""
+        """POST and wait (up to the read timeout) for the response headers; the body is left
+        to the caller."""
         session = self._require(self._session)
-        try:  # per leg, so no context manager: a plain try costs nothing when nothing fails
-            response = await session.post(url, data=body, headers=headers)
+        try:
+            async with _deadline(self._timeouts.read):
+                response = await session.post(url, data=body, headers=headers)
         except _FAILURES as exc:
             raise _translate(exc, leg, url) from exc
         content_type = response.headers.get("Content-Type", "application/json")
@@ -139,7 +151,7 @@ class EngineClient:
         """POST and read the whole answer; the connection is pooled again or dropped."""
         upstream = await self.post(url, body, headers, leg=leg)
         try:
-            data = await upstream.read()
+            data = await upstream.read(self._timeouts.read)
         except BaseException:
             upstream.close()
             raise
@@ -154,6 +166,10 @@ class EngineClient:
                 if response.status != 200:
                     raise UpstreamError(f"{url} answered HTTP {response.status}", leg="probe")
                 return orjson.loads(await response.read())
+
+    @property
+    def read_timeout(self) -> float:
+        return self._timeouts.read
 
     @staticmethod
     def _require(session: aiohttp.ClientSession | None) -> aiohttp.ClientSession:

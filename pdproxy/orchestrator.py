@@ -22,7 +22,7 @@ from pdproxy.engine_client import EngineClient, UpstreamResponse
 from pdproxy.errors import ProxyError, UpstreamProtocolError, UpstreamStatusError
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.registry import EndpointRegistry
-from pdproxy.relay import StreamRelay
+from pdproxy.relay import StreamRelay, StreamWatchdog
 from pdproxy.scheduling import Scheduler
 from pdproxy.shaping import is_streaming, leg_headers
 from pdproxy.types import ApiKind, Endpoint
@@ -65,6 +65,11 @@ class Orchestrator:
         self._client = client
         self._metrics = metrics
         self._background: set[asyncio.Task[Any]] = set()
+        self._watchdog = StreamWatchdog(client.read_timeout)
+        self._watchdog_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._watchdog_task = asyncio.create_task(self._watchdog.run())
 
     async def handle(self, request: ClientRequest) -> ProxyResponse:
         decision = self._scheduler.schedule(self._registry.snapshot())
@@ -123,8 +128,8 @@ class Orchestrator:
             raise
         if upstream.status >= 300 or not is_streaming(request.body):
             with _in_flight_released(endpoint, upstream):
-                return await _whole_answer(upstream, transfer.request_id)
-        relay = StreamRelay(upstream, on_close=lambda: _release(endpoint))
+                return await _whole_answer(upstream, transfer.request_id, self._client.read_timeout)
+        relay = StreamRelay(upstream, lambda: _release(endpoint), self._watchdog)
         return ProxyResponse(200, "text/event-stream", transfer.request_id, stream=relay)
 
     async def _concurrent(self, request: ClientRequest, transfer: Transfer) -> ProxyResponse:
@@ -162,7 +167,8 @@ class Orchestrator:
         task.add_done_callback(_consume_result)
 
     async def aclose(self) -> None:
-        await _cancel(*self._background)
+        watchdog = [self._watchdog_task] if self._watchdog_task is not None else []
+        await _cancel(*self._background, *watchdog)
 
 
 def _parse_prefill_answer(data: bytes) -> dict[str, Any]:
@@ -177,8 +183,10 @@ def _parse_prefill_answer(data: bytes) -> dict[str, Any]:
     return answer
 
 
-async def _whole_answer(upstream: UpstreamResponse, request_id: str) -> ProxyResponse:
-    data = await upstream.read()
+async def _whole_answer(
+    upstream: UpstreamResponse, request_id: str, read_timeout: float
+) -> ProxyResponse:
+    data = await upstream.read(read_timeout)
     if upstream.status >= 300:
         raise UpstreamStatusError(
             leg="decode", status=upstream.status, body=data, content_type=upstream.content_type

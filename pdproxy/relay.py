@@ -7,12 +7,14 @@ instead of a silent truncation.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 
 import orjson
 
 from pdproxy.engine_client import UpstreamResponse
-from pdproxy.errors import ProxyError, UpstreamError, UpstreamProtocolError
+from pdproxy.errors import ProxyError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
 
 _DONE = b"data: [DONE]"
 SSE_DONE = _DONE + b"\n\n"
@@ -24,6 +26,39 @@ def sse_error_event(error: ProxyError) -> bytes:
     return b"data: " + orjson.dumps(error.to_dict()) + b"\n\ndata: [DONE]\n\n"
 
 
+class StreamWatchdog:
+    """Aborts streams whose engine stayed silent longer than ``idle_timeout``.
+
+    One timer for all streams, checked every ``interval``, instead of a timer re-armed on
+    every chunk of every stream: a stream's only per-chunk cost is stamping its clock.
+    """
+
+    def __init__(self, idle_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.idle_timeout = idle_timeout
+        self.clock = clock
+        self.interval = min(1.0, idle_timeout / 4)
+        self._streams: set[StreamRelay] = set()
+
+    def watch(self, relay: StreamRelay) -> None:
+        self._streams.add(relay)
+
+    def forget(self, relay: StreamRelay) -> None:
+        self._streams.discard(relay)
+
+    def sweep(self) -> None:
+        deadline = self.clock() - self.idle_timeout
+        for relay in [r for r in self._streams if r.last_activity < deadline]:
+            self.forget(relay)
+            relay.abort(
+                UpstreamTimeout(f"decode engine silent for {self.idle_timeout:g} s", leg="decode")
+            )
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.sweep()
+
+
 class StreamRelay:
     """An upstream stream being relayed. ``close()`` must be called; it is idempotent.
 
@@ -31,12 +66,18 @@ class StreamRelay:
     exactly once, which frees the proxy's counters.
     """
 
-    def __init__(self, upstream: UpstreamResponse, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, upstream: UpstreamResponse, on_close: Callable[[], None], watchdog: StreamWatchdog
+    ) -> None:
         self._upstream = upstream
         self._on_close: Callable[[], None] | None = on_close
         self._failure: ProxyError | None = None
         self._done = False
         self._tail = b""  # the stream's last bytes, where its end marker lies
+        self._watchdog = watchdog
+        self._clock = watchdog.clock
+        self.last_activity = self._clock()
+        watchdog.watch(self)
 
     def abort(self, failure: ProxyError) -> None:
         """Stop relaying because of ``failure`` (e.g. the concurrent prefill failed)."""
@@ -55,6 +96,7 @@ class StreamRelay:
         except UpstreamError as exc:
             return self._fail(exc)
         if chunk:
+            self.last_activity = self._clock()
             # A token's chunk is longer than the marker: keep a reference, copy nothing.
             self._tail = chunk if len(chunk) >= _TAIL else (self._tail + chunk)[-_TAIL:]
             return chunk
@@ -74,6 +116,7 @@ class StreamRelay:
 
     def close(self) -> None:
         self._done = True
+        self._watchdog.forget(self)
         self._upstream.close()
         on_close, self._on_close = self._on_close, None
         if on_close is not None:

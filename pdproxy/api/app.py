@@ -49,6 +49,7 @@ def create_app(
         # Startup: open the upstream pools, admit the static instances, start the sweeper
         # and the registry socket, in that order, before the first request can arrive.
         await state.client.start()
+        state.orchestrator.start()
         state.membership.add_static()
         state.membership.start()
         if registry is not None:

@@ -190,3 +190,22 @@ async def test_proxy_bug_is_generic_500_without_exception_text(nixl_2p2d, caplog
     assert status == 500 and ctype.startswith("application/json")
     assert b"internal detail" not in raw and _error(raw)["type"] == "InternalServerError"
     assert "internal detail that must not leak" in caplog.text  # logged with its traceback
+
+
+async def test_decode_silent_mid_stream_ends_with_timeout_event():
+    async with deployment(1, 1, decode_tps=1, proxy={"timeouts": Timeouts(read=0.4)}) as d:
+        started = time.monotonic()
+        status, _, raw = await _post(d.proxy.url, {**BODY, "stream": True, "max_tokens": 5})
+        assert status == 200 and time.monotonic() - started < 3
+        events = [e for e in raw.split(b"\n\n") if e.strip()]
+        assert orjson.loads(events[-2][6:])["error"]["type"] == "GatewayTimeoutError"
+        assert events[-1] == b"data: [DONE]"
+        record = d.decodes[0].generation_requests()[0]
+        await _wait_for(lambda: record.outcome == "client_disconnected")  # vLLM would abort
+
+
+async def test_decode_silent_non_streaming_is_504():
+    async with deployment(1, 1, proxy={"timeouts": Timeouts(read=0.3)}) as d:
+        d.decodes[0].set_faults(hang=True)
+        status, _, raw = await _post(d.proxy.url, BODY)
+        assert status == 504 and _error(raw)["type"] == "GatewayTimeoutError"

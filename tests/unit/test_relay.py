@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from pdproxy.errors import UpstreamProtocolError, UpstreamTimeout
-from pdproxy.relay import StreamRelay
+from pdproxy.relay import StreamRelay, StreamWatchdog
 
 
 class FakeUpstream:
@@ -23,8 +23,22 @@ class FakeUpstream:
     def release(self):
         self.released = True
 
-    def close(self):
+    def close(self):  # like aiohttp: a closed response reads as the end of the body
         self.closed = True
+        self._chunks.clear()
+        self._error = None
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _relay(upstream, on_close=lambda: None, watchdog=None):
+    return StreamRelay(upstream, on_close, watchdog or StreamWatchdog(600.0))
 
 
 async def _drain(relay):
@@ -44,7 +58,7 @@ async def _drain(relay):
 )
 async def test_complete_stream_passes_through_and_pools_the_connection(chunks):
     upstream, closes = FakeUpstream(chunks), []
-    relay = StreamRelay(upstream, on_close=lambda: closes.append(1))
+    relay = _relay(upstream, lambda: closes.append(1))
     assert await _drain(relay) == chunks  # bytes untouched, chunk for chunk
     assert upstream.released
     relay.close()
@@ -63,7 +77,7 @@ async def test_complete_stream_passes_through_and_pools_the_connection(chunks):
 )
 async def test_broken_stream_ends_with_one_error_event(chunks, error, etype):
     upstream = FakeUpstream(chunks, error)
-    out = await _drain(StreamRelay(upstream, on_close=lambda: None))
+    out = await _drain(_relay(upstream))
     assert out[:-1] == chunks
     last = out[-1]
     assert not upstream.released
@@ -77,7 +91,7 @@ async def test_abort_reports_its_own_reason():
     from pdproxy.errors import UpstreamStatusError
 
     upstream = FakeUpstream([b'data: {"a": 1}\n\n'])
-    relay = StreamRelay(upstream, on_close=lambda: None)
+    relay = _relay(upstream)
     assert await relay.next_chunk() == b'data: {"a": 1}\n\n'
     reason = UpstreamStatusError(
         leg="prefill", status=500, body=b"", content_type="application/json"
@@ -87,3 +101,21 @@ async def test_abort_reports_its_own_reason():
     last = await relay.next_chunk()
     assert b"prefill engine answered HTTP 500" in last
     assert await relay.next_chunk() is None
+
+
+async def test_watchdog_aborts_only_silent_streams():
+    clock = Clock()
+    watchdog = StreamWatchdog(10.0, clock)
+    quiet, busy = FakeUpstream([b"data: {}\n\n"]), FakeUpstream([b"data: {}\n\n", b"data: {}\n\n"])
+    quiet_relay, busy_relay = _relay(quiet, watchdog=watchdog), _relay(busy, watchdog=watchdog)
+    clock.now += 6
+    await busy_relay.next_chunk()  # activity stamps the busy stream
+    clock.now += 6
+    watchdog.sweep()
+    assert quiet.closed and not busy.closed
+    last = await quiet_relay.next_chunk()
+    assert b"GatewayTimeoutError" in last and b"silent for 10 s" in last
+    busy_relay.close()
+    clock.now += 100
+    watchdog.sweep()  # a closed stream is no longer watched
+    assert not busy.released
