@@ -66,11 +66,10 @@ class UpstreamResponse:
     url: str
     _response: aiohttp.ClientResponse
 
-    async def read(self, timeout: float) -> bytes:
-        """The whole body; ``timeout`` bounds the wait (an answer that comes only at the end)."""
+    async def read(self) -> bytes:
+        """The whole body (bounded by the read timeout unless the leg was a stream)."""
         try:
-            async with _deadline(timeout):
-                return await self._response.read()
+            return await self._response.read()
         except _FAILURES as exc:
             raise _translate(exc, self.leg, self.url) from exc
 
@@ -99,6 +98,13 @@ class EngineClient:
         self._pool = pool
         self._session: aiohttp.ClientSession | None = None
         self._probe_session: aiohttp.ClientSession | None = None
+        # A whole answer: silence bounded by aiohttp's sock_read. A stream: no sock_read, as
+        # aiohttp would re-arm a timer on every chunk; the wait for its headers is bounded
+        # per call, and its silence afterwards by the relay's watchdog.
+        self._whole_answer = aiohttp.ClientTimeout(
+            total=None, sock_connect=timeouts.connect, sock_read=timeouts.read
+        )
+        self._stream = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect)
 
     async def start(self) -> None:
         legs = aiohttp.TCPConnector(
@@ -108,12 +114,8 @@ class EngineClient:
         )
         self._session = aiohttp.ClientSession(
             connector=legs,
-            # No total timeout: a stream lasts as long as the engine generates. No sock_read
-            # either: aiohttp would re-arm a timer on every chunk; waits for an answer are
-            # bounded per call here, and a stream's silence by the relay's watchdog.
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self._timeouts.connect, sock_read=None
-            ),
+            # No total timeout: a stream lasts as long as the engine generates.
+            timeout=self._whole_answer,
             auto_decompress=False,
             # vLLM does not compress, and the engines need no client banner.
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
@@ -132,13 +134,18 @@ class EngineClient:
         self._session = self._probe_session = None
 
     async def post(
-        self, url: str, body: bytes, headers: Mapping[str, str], *, leg: str
+        self, url: str, body: bytes, headers: Mapping[str, str], *, leg: str, stream: bool
     ) -> UpstreamResponse:
         """POST and wait (up to the read timeout) for the response headers; the body is left
-        to the caller."""
+        to the caller. A ``stream`` body's silence is the caller's to bound."""
         session = self._require(self._session)
         try:
-            async with _deadline(self._timeouts.read):
+            if stream:
+                async with _deadline(self._timeouts.read):
+                    response = await session.post(
+                        url, data=body, headers=headers, timeout=self._stream
+                    )
+            else:
                 response = await session.post(url, data=body, headers=headers)
         except _FAILURES as exc:
             raise _translate(exc, leg, url) from exc
@@ -149,9 +156,9 @@ class EngineClient:
         self, url: str, body: bytes, headers: Mapping[str, str], *, leg: str
     ) -> tuple[UpstreamResponse, bytes]:
         """POST and read the whole answer; the connection is pooled again or dropped."""
-        upstream = await self.post(url, body, headers, leg=leg)
+        upstream = await self.post(url, body, headers, leg=leg, stream=False)
         try:
-            data = await upstream.read(self._timeouts.read)
+            data = await upstream.read()
         except BaseException:
             upstream.close()
             raise

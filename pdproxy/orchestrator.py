@@ -121,14 +121,18 @@ class Orchestrator:
         endpoint.in_flight += 1
         try:
             upstream = await self._client.post(
-                endpoint.url + request.kind.path, orjson.dumps(body_dict), headers, leg="decode"
+                endpoint.url + request.kind.path,
+                orjson.dumps(body_dict),
+                headers,
+                leg="decode",
+                stream=is_streaming(request.body),
             )
         except BaseException:
             endpoint.in_flight -= 1
             raise
         if upstream.status >= 300 or not is_streaming(request.body):
             with _in_flight_released(endpoint, upstream):
-                return await _whole_answer(upstream, transfer.request_id, self._client.read_timeout)
+                return await _whole_answer(upstream, transfer.request_id)
         relay = StreamRelay(upstream, lambda: _release(endpoint), self._watchdog)
         return ProxyResponse(200, "text/event-stream", transfer.request_id, stream=relay)
 
@@ -183,10 +187,8 @@ def _parse_prefill_answer(data: bytes) -> dict[str, Any]:
     return answer
 
 
-async def _whole_answer(
-    upstream: UpstreamResponse, request_id: str, read_timeout: float
-) -> ProxyResponse:
-    data = await upstream.read(read_timeout)
+async def _whole_answer(upstream: UpstreamResponse, request_id: str) -> ProxyResponse:
+    data = await upstream.read()
     if upstream.status >= 300:
         raise UpstreamStatusError(
             leg="decode", status=upstream.status, body=data, content_type=upstream.content_type
