@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,8 @@ import time
 from collections.abc import Iterator
 
 import aiohttp
+
+from engines.procs import process as child_process
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -32,18 +33,8 @@ def cpu_seconds(pid: int) -> float:
 
 @contextlib.contextmanager
 def process(args: list[str], log_path: str) -> Iterator[subprocess.Popen[bytes]]:
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with open(log_path, "wb") as log, child_process(args, log) as proc:
         yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 async def wait_healthy(url: str, timeout: float = 30.0) -> None:

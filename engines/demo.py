@@ -22,6 +22,8 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from engines.procs import process
+
 PROMPT = "In a disaggregated deployment, the prefill engine computes the prompt's KV cache and"
 
 
@@ -63,27 +65,12 @@ def _wait_healthy(
 
 
 @contextlib.contextmanager
-def _process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(args, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-@contextlib.contextmanager
 def sim_engines() -> Iterator[Engines]:
     p_port, d_port = _free_port(), _free_port()
     common = [sys.executable, "-m", "engines.sim", "--connector", "nixl", "--log-level", "warning"]
     with (
-        _process([*common, "--role", "prefill", "--port", str(p_port)]) as p,
-        _process([*common, "--role", "decode", "--port", str(d_port)]) as d,
+        process([*common, "--role", "prefill", "--port", str(p_port)]) as p,
+        process([*common, "--role", "decode", "--port", str(d_port)]) as d,
     ):
         urls = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         for url, proc in zip(urls, (p, d), strict=True):
@@ -177,7 +164,7 @@ def main() -> None:
                 "--kv-connector",
                 engines.connector,
             ]
-            with _process(proxy_args) as proxy:
+            with process(proxy_args) as proxy:
                 _wait_healthy(proxy_url, proxy)
                 demo_request(proxy_url, engines)
                 print_examples(proxy_url, engines.model)

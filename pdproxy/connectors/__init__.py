@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from pdproxy.config import KV_CONNECTORS, ProxyConfig, import_from_string
 from pdproxy.errors import ConfigError
-from pdproxy.shaping import JSONBody, client_request_id
+from pdproxy.shaping import JSONBody, client_request_id, decode_body, prefill_body
 from pdproxy.types import EngineAddress, PairDecision
 
 
@@ -61,7 +61,8 @@ class KVConnector(Protocol):
 
 
 class SerialConnector:
-    """Defaults shared by the adapters: serial legs, the client's request id, no bootstrap."""
+    """Defaults shared by the adapters: serial legs, the client's request id, no
+    ``kv_transfer_params`` on either leg, no bootstrap."""
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> SerialConnector:
@@ -72,6 +73,17 @@ class SerialConnector:
 
     def runs_concurrently(self, transfer: Transfer) -> bool:
         return False
+
+    def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
+        return prefill_body(original, None)
+
+    def decode_body(
+        self,
+        original: Mapping[str, Any],
+        transfer: Transfer,
+        prefill_response: Mapping[str, Any] | None,
+    ) -> JSONBody:
+        return decode_body(original, None)
 
     def prefill_bootstrap_url(self, address: EngineAddress) -> str | None:
         return None

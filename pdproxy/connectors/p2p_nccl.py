@@ -7,11 +7,8 @@ orchestrator's serial path guarantees it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from pdproxy.connectors import SerialConnector, Transfer
-from pdproxy.shaping import JSONBody, decode_body, peer_request_id, prefill_body
+from pdproxy.shaping import peer_request_id
 from pdproxy.types import PairDecision
 
 
@@ -19,14 +16,3 @@ class P2pNcclConnector(SerialConnector):
     def begin(self, decision: PairDecision, client_request_id_: str | None) -> Transfer:
         request_id = peer_request_id(decision.prefill.kv_address, decision.decode.kv_address)
         return Transfer(decision, request_id)
-
-    def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
-        return prefill_body(original, None)
-
-    def decode_body(
-        self,
-        original: Mapping[str, Any],
-        transfer: Transfer,
-        prefill_response: Mapping[str, Any] | None,
-    ) -> JSONBody:
-        return decode_body(original, None)
