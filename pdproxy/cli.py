@@ -39,22 +39,33 @@ def build_parser() -> argparse.ArgumentParser:
         "as a PDPROXY_* environment variable (e.g. PDPROXY_KV_CONNECTOR=nixl).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    for add_group in (
+        _instance_flags,
+        _server_flags,
+        _upstream_flags,
+        _registry_flags,
+        _admin_flags,
+    ):
+        add_group(p)
+    return p
+
+
+def _instance_flags(p: argparse.ArgumentParser) -> None:
+    urls = "host:port or http(s)://host:port"
     p.add_argument(
         "--prefill",
         nargs="+",
         action="extend",
         metavar="URL",
-        help="Prefill instance(s), as host:port or http(s)://host:port.",
+        help=f"Prefill instance(s), as {urls}; a port after one is its Mooncake bootstrap port.",
     )
     p.add_argument(
         "--decode",
         nargs="+",
         action="extend",
         metavar="URL",
-        help="Decode instance(s), as host:port or http(s)://host:port.",
+        help=f"Decode instance(s), as {urls}.",
     )
-    p.add_argument("--host", default="0.0.0.0", help="Address the proxy listens on.")
-    p.add_argument("--port", type=int, default=8000, help="Port the proxy listens on.")
     p.add_argument(
         "--kv-connector",
         default="nixl",
@@ -63,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="Only route to instances that serve this model.")
     p.add_argument(
+        "--transfer-mode",
+        type=str.upper,
+        choices=TRANSFER_MODES,
+        default=None,
+        help="KV transfer mode all instances share (MoRIIO); by default the first one fixes it.",
+    )
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0", help="Address the proxy listens on.")
+    p.add_argument("--port", type=int, default=8000, help="Port the proxy listens on.")
+    p.add_argument(
         "--max-body-bytes",
         "--max-payload-size",
         dest="max_body_bytes",
@@ -70,43 +93,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=32 * 1024 * 1024,
         help="Largest request body accepted; larger ones get 413.",
     )
+    p.add_argument("--log-level", default="info", choices=_LOG_LEVELS, help="Logging level.")
     p.add_argument(
-        "--connect-timeout-secs",
-        type=float,
-        default=5.0,
-        help="Seconds to wait for a TCP connection to an engine.",
+        "--access-log", action="store_true", help="Log one line per HTTP request (costs CPU)."
     )
-    p.add_argument(
+
+
+def _upstream_flags(p: argparse.ArgumentParser) -> None:
+    def number(flag: str, kind: type, default: float, text: str) -> None:
+        p.add_argument(flag, type=kind, default=default, help=text)
+
+    number(
+        "--connect-timeout-secs", float, 5.0, "Seconds to wait for a TCP connection to an engine."
+    )
+    number(
         "--request-timeout-secs",
-        type=float,
-        default=600.0,
-        help="Seconds an engine may stay silent (before its answer or between two chunks).",
+        float,
+        600.0,
+        "Seconds an engine may stay silent (before its answer or between two chunks).",
     )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=0,
-        help="Cap on upstream connections in total (0 = no cap).",
+    number("--max-connections", int, 0, "Cap on upstream connections in total (0 = no cap).")
+    number(
+        "--max-connections-per-host", int, 0, "Cap on upstream connections per engine (0 = no cap)."
     )
-    p.add_argument(
-        "--max-connections-per-host",
-        type=int,
-        default=0,
-        help="Cap on upstream connections per engine (0 = no cap).",
-    )
-    p.add_argument(
+    number(
         "--keepalive-expiry-secs",
-        type=float,
-        default=4.0,
-        help="Idle pooled connections are closed after this, below vLLM's 5 s keep-alive.",
+        float,
+        4.0,
+        "Idle pooled connections are closed after this, below vLLM's 5 s keep-alive.",
     )
-    p.add_argument(
-        "--transfer-mode",
-        type=str.upper,
-        choices=TRANSFER_MODES,
-        default=None,
-        help="KV transfer mode all instances share (MoRIIO); by default the first one fixes it.",
-    )
+
+
+def _registry_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--registry-port",
         type=int,
@@ -120,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="Seconds after its last heartbeat a registered instance is forgotten.",
     )
+
+
+def _admin_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--admin-api-key-file",
         default=None,
@@ -133,13 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CIDR",
         help="Networks the admin API may add instances from (default: any).",
     )
-    p.add_argument("--log-level", default="info", choices=_LOG_LEVELS, help="Logging level.")
-    p.add_argument(
-        "--access-log",
-        action="store_true",
-        help="Log one line per HTTP request (costs CPU per request).",
-    )
-    return p
 
 
 def _apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
