@@ -53,7 +53,11 @@ def corpus_files(max_bytes: int) -> list[str]:
     return files
 
 
-def main() -> int:
+# head_dim values that vLLM's CPU attention backend supports.
+SUPPORTED_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -69,40 +73,17 @@ def main() -> int:
     ap.add_argument("--corpus-bytes", type=int, default=4_000_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    head_dim = args.hidden_size // args.heads
-    supported = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
-    if head_dim not in supported:
-        log(
-            f"ERROR: head_dim {head_dim} is not supported by vLLM's CPU attention backend {sorted(supported)}"
-        )
-        return 2
 
-    params = {k: v for k, v in vars(args).items() if k not in ("out", "force")}
-    params["format"] = 1
-    stamp = args.out / ".pdproxy-model.stamp"
-    want = json.dumps(params, sort_keys=True)
-    if not args.force and stamp.is_file() and stamp.read_text() == want:
-        log(f"reusing {args.out}")
-        return 0
-
-    t0 = time.time()
-    import torch
+def train_tokenizer(args: argparse.Namespace, files: list[str], digest: str, out: Path):
+    """Byte-level BPE on the corpus, with the ChatML template; saved to out; returns the tokenizer."""
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-
-    files = corpus_files(args.corpus_bytes)
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(Path(f).read_bytes())
     log(
         f"training byte-level BPE (vocab {args.vocab_size}) on {len(files)} stdlib files "
-        f"({sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB, sha256 {digest.hexdigest()[:12]})"
+        f"({sum(os.path.getsize(f) for f in files) / 1e6:.1f} MB, sha256 {digest[:12]})"
     )
     bpe = ByteLevelBPETokenizer()
     bpe.train(
@@ -112,7 +93,6 @@ def main() -> int:
         special_tokens=SPECIAL_TOKENS,
         show_progress=False,
     )
-
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer,
         bos_token="<|endoftext|>",
@@ -123,7 +103,14 @@ def main() -> int:
         model_max_length=args.max_position_embeddings,
     )
     tok.chat_template = CHATML_TEMPLATE
-    tok.save_pretrained(tmp)
+    tok.save_pretrained(out)
+    return tok
+
+
+def build_weights(args: argparse.Namespace, tok, head_dim: int, out: Path):
+    """A random-weight Llama (fixed torch seed) sized for tok; saved to out; returns the model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     log(
         f"building random Llama: hidden {args.hidden_size}, {args.layers} layers, {args.heads} heads / "
@@ -147,7 +134,27 @@ def main() -> int:
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+def self_check(tok) -> None:
+    """The tokenizer round-trips and the chat template renders."""
+    text = "def hello(world):\n    return world"
+    assert tok.decode(tok(text)["input_ids"]) == text, "tokenizer does not round-trip"
+    tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def build(args: argparse.Namespace, params: dict, head_dim: int, tmp: Path) -> None:
+    """Tokenizer, weights and pdproxy-model.json into tmp."""
+    files = corpus_files(args.corpus_bytes)
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(Path(f).read_bytes())
+    tok = train_tokenizer(args, files, digest.hexdigest(), tmp)
+    model = build_weights(args, tok, head_dim, tmp)
     (tmp / "pdproxy-model.json").write_text(
         json.dumps(
             {
@@ -160,16 +167,32 @@ def main() -> int:
             sort_keys=True,
         )
     )
+    self_check(tok)
 
-    # Quick self-check: the tokenizer round-trips and the chat template renders.
-    text = "def hello(world):\n    return world"
-    assert tok.decode(tok(text)["input_ids"]) == text, "tokenizer does not round-trip"
-    tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
 
-    stamp_tmp = tmp / stamp.name
-    stamp_tmp.write_text(want)
+def main() -> int:
+    args = parse_args()
+    head_dim = args.hidden_size // args.heads
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        log(
+            f"ERROR: head_dim {head_dim} is not supported by vLLM's CPU attention backend {sorted(SUPPORTED_HEAD_DIMS)}"
+        )
+        return 2
+
+    params = {k: v for k, v in vars(args).items() if k not in ("out", "force")}
+    params["format"] = 1
+    stamp = args.out / ".pdproxy-model.stamp"
+    want = json.dumps(params, sort_keys=True)
+    if not args.force and stamp.is_file() and stamp.read_text() == want:
+        log(f"reusing {args.out}")
+        return 0
+
+    t0 = time.time()
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build(args, params, head_dim, tmp)
+    (tmp / stamp.name).write_text(want)
     shutil.rmtree(args.out, ignore_errors=True)
     tmp.rename(args.out)
     log(f"model ready in {time.time() - t0:.1f} s: {args.out}")

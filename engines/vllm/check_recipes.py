@@ -88,74 +88,98 @@ def render(recipe: dict) -> str:
     return "\n".join(out)
 
 
-def check(path: Path, parser, registry: set[str], KVTransferConfig) -> list[str]:
-    errors: list[str] = []
+def load_recipe(path: Path) -> dict:
+    """The recipe with its [vars] expanded (and the vars table itself dropped)."""
     raw = tomllib.loads(path.read_text())
-    recipe = expand({k: v for k, v in raw.items() if k != "vars"}, raw.get("vars", {}))
-    for key in ("name", "model", "engines", "proxy"):
-        if key not in recipe:
-            errors.append(f"missing top-level key {key!r}")
+    return expand({k: v for k, v in raw.items() if k != "vars"}, raw.get("vars", {}))
+
+
+def check(path: Path, parser, registry: set[str], KVTransferConfig) -> list[str]:
+    recipe = load_recipe(path)
+    errors = [
+        f"missing top-level key {key!r}"
+        for key in ("name", "model", "engines", "proxy")
+        if key not in recipe
+    ]
     if errors:
         return errors
-    roles, ports = set(), set()
+    roles: set = set()
+    ports: set = set()
     for eng in recipe["engines"]:
-        where = eng.get("name", "?")
         roles.add(eng.get("role"))
-        if eng.get("role") not in ("prefill", "decode"):
-            errors.append(f"{where}: role must be prefill or decode")
-        argv = engine_argv(recipe, eng)
-        err = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(err):
-                ns = parser.parse_args(argv)
-        except SystemExit:
-            errors.append(
-                f"{where}: vLLM rejected the arguments: {err.getvalue().strip().splitlines()[-1:]}"
-            )
-            continue
-        hp = (eng.get("host"), ns.port)
-        if hp in ports:
-            errors.append(f"{where}: port {ns.port} used twice on {eng.get('host')}")
-        ports.add(hp)
-        try:
-            kv = KVTransferConfig(**eng["kv_transfer_config"])
-        except Exception as exc:  # pydantic ValidationError and friends
-            errors.append(f"{where}: KVTransferConfig rejected {eng['kv_transfer_config']}: {exc}")
-            continue
-        if kv.kv_connector not in registry:
-            errors.append(
-                f"{where}: kv_connector {kv.kv_connector!r} is not registered in KVConnectorFactory"
-            )
-        want_role = "kv_producer" if eng.get("role") == "prefill" else "kv_consumer"
-        if kv.kv_role != want_role:
-            errors.append(
-                f"{where}: kv_role {kv.kv_role!r} but role {eng.get('role')} wants {want_role!r}"
-            )
-        extra = kv.kv_connector_extra_config or {}
-        if kv.kv_connector == "MoRIIOConnector":
-            for k in ("proxy_ip", "proxy_ping_port", "http_port", "handshake_port", "notify_port"):
-                if k not in extra:
-                    errors.append(f"{where}: MoRIIO needs kv_connector_extra_config.{k}")
-            if str(extra.get("http_port")) != str(ns.port):
-                errors.append(
-                    f"{where}: MoRIIO http_port {extra.get('http_port')} != --port {ns.port}"
-                )
-        print(
-            f"  ok  {recipe['name']}/{where}: {kv.kv_connector} {kv.kv_role}, port {ns.port}, "
-            f"tp {ns.tensor_parallel_size}"
-        )
+        errors += check_engine(recipe, eng, parser, registry, KVTransferConfig, ports)
     if roles != {"prefill", "decode"}:
         errors.append(
             f"needs at least one prefill and one decode engine, has roles {sorted(map(str, roles))}"
         )
-    # pdproxy command line, parsed by pdproxy's own CLI (stdlib + msgpack, both in this venv)
+    return errors + check_proxy(recipe, parser)
+
+
+def check_engine(
+    recipe: dict, eng: dict, parser, registry: set[str], KVTransferConfig, ports: set
+) -> list[str]:
+    """One engine's role, vLLM arguments and KV transfer config; adds its (host, port) to ports."""
+    errors: list[str] = []
+    where = eng.get("name", "?")
+    if eng.get("role") not in ("prefill", "decode"):
+        errors.append(f"{where}: role must be prefill or decode")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = parser.parse_args(engine_argv(recipe, eng))
+    except SystemExit:
+        errors.append(
+            f"{where}: vLLM rejected the arguments: {err.getvalue().strip().splitlines()[-1:]}"
+        )
+        return errors
+    hp = (eng.get("host"), ns.port)
+    if hp in ports:
+        errors.append(f"{where}: port {ns.port} used twice on {eng.get('host')}")
+    ports.add(hp)
+    try:
+        kv = KVTransferConfig(**eng["kv_transfer_config"])
+    except Exception as exc:  # pydantic ValidationError and friends
+        errors.append(f"{where}: KVTransferConfig rejected {eng['kv_transfer_config']}: {exc}")
+        return errors
+    errors += check_kv_config(where, eng, kv, ns, registry)
+    print(
+        f"  ok  {recipe['name']}/{where}: {kv.kv_connector} {kv.kv_role}, port {ns.port}, "
+        f"tp {ns.tensor_parallel_size}"
+    )
+    return errors
+
+
+def check_kv_config(where: str, eng: dict, kv, ns, registry: set[str]) -> list[str]:
+    """The parsed KVTransferConfig: a registered connector, the role's kv_role, MoRIIO's ports."""
+    errors: list[str] = []
+    if kv.kv_connector not in registry:
+        errors.append(
+            f"{where}: kv_connector {kv.kv_connector!r} is not registered in KVConnectorFactory"
+        )
+    want_role = "kv_producer" if eng.get("role") == "prefill" else "kv_consumer"
+    if kv.kv_role != want_role:
+        errors.append(
+            f"{where}: kv_role {kv.kv_role!r} but role {eng.get('role')} wants {want_role!r}"
+        )
+    extra = kv.kv_connector_extra_config or {}
+    if kv.kv_connector == "MoRIIOConnector":
+        for k in ("proxy_ip", "proxy_ping_port", "http_port", "handshake_port", "notify_port"):
+            if k not in extra:
+                errors.append(f"{where}: MoRIIO needs kv_connector_extra_config.{k}")
+        if str(extra.get("http_port")) != str(ns.port):
+            errors.append(f"{where}: MoRIIO http_port {extra.get('http_port')} != --port {ns.port}")
+    return errors
+
+
+def check_proxy(recipe: dict, parser) -> list[str]:
+    """The pdproxy command line, parsed by pdproxy's own CLI (stdlib + msgpack, both in this venv)."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
             pns = pdproxy_config(recipe["proxy"]["args"])
     except SystemExit as exc:
-        errors.append(f"proxy: bad pdproxy arguments: {exc} {err.getvalue().strip()}")
-        return errors
+        return [f"proxy: bad pdproxy arguments: {exc} {err.getvalue().strip()}"]
+    errors: list[str] = []
     connectors = {e["kv_transfer_config"]["kv_connector"] for e in recipe["engines"]}
     for c in connectors:
         if EXPECTED_PDPROXY.get(c, pns.kv_connector) != pns.kv_connector:
@@ -164,20 +188,27 @@ def check(path: Path, parser, registry: set[str], KVTransferConfig) -> list[str]
     if pns.model and served and served != {pns.model}:
         errors.append(f"proxy: --model {pns.model} but engines serve {sorted(served)}")
     if "MoRIIOConnector" in connectors:
-        if pns.transfer_mode is None or pns.registry.port is None:
-            errors.append("proxy: MoRIIO needs --registry-port and --transfer-mode")
-        for e in recipe["engines"]:
-            extra = e["kv_transfer_config"].get("kv_connector_extra_config", {})
-            if int(extra.get("proxy_ping_port", -1)) != pns.registry.port:
-                errors.append(
-                    f"{e['name']}: proxy_ping_port != pdproxy --registry-port {pns.registry.port}"
-                )
-            read = str(extra.get("read_mode", "")).lower() in ("true", "1")
-            if (pns.transfer_mode == "READ") != read:
-                errors.append(
-                    f"{e['name']}: read_mode {extra.get('read_mode')!r} does not fit --transfer-mode "
-                    f"{pns.transfer_mode}"
-                )
+        errors += check_moriio_proxy(recipe, pns)
+    return errors
+
+
+def check_moriio_proxy(recipe: dict, pns) -> list[str]:
+    """MoRIIO engines ping pdproxy's registry and must agree with its transfer mode."""
+    errors: list[str] = []
+    if pns.transfer_mode is None or pns.registry.port is None:
+        errors.append("proxy: MoRIIO needs --registry-port and --transfer-mode")
+    for e in recipe["engines"]:
+        extra = e["kv_transfer_config"].get("kv_connector_extra_config", {})
+        if int(extra.get("proxy_ping_port", -1)) != pns.registry.port:
+            errors.append(
+                f"{e['name']}: proxy_ping_port != pdproxy --registry-port {pns.registry.port}"
+            )
+        read = str(extra.get("read_mode", "")).lower() in ("true", "1")
+        if (pns.transfer_mode == "READ") != read:
+            errors.append(
+                f"{e['name']}: read_mode {extra.get('read_mode')!r} does not fit --transfer-mode "
+                f"{pns.transfer_mode}"
+            )
     return errors
 
 
@@ -225,10 +256,7 @@ def main() -> int:
             print(f"  BAD {f.name}: {e}")
         bad += bool(errors)
         if args.render and not errors:
-            raw = tomllib.loads(f.read_text())
-            print(
-                render(expand({k: v for k, v in raw.items() if k != "vars"}, raw.get("vars", {})))
-            )
+            print(render(load_recipe(f)))
     print(f"{len(files) - bad} passed, {bad} failed")
     return 1 if bad else 0
 

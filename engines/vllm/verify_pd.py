@@ -29,6 +29,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import SERVED_MODEL_NAME, metric_value, parse_metrics
@@ -141,7 +142,7 @@ def noise_store(store: Path, venv_python: str) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -158,136 +159,167 @@ def main() -> int:
     )
     ap.add_argument("--venv-python", help="the vLLM venv's python (for the noise control)")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    P, D, n = args.prefill, args.decode, args.prompt_tokens
-    prompts = {k: tokens(D, v, n) for k, v in TEXTS.items()}
-    res: dict = {
-        "connector": args.connector,
-        "prompt_tokens": n,
-        "max_tokens": args.max_tokens,
-        "baseline": {},
-        "checks": {},
-    }
-    ok = True
+    return ap.parse_args()
 
-    def check(name: str, cond: bool, **info) -> None:
-        nonlocal ok
-        ok &= bool(cond)
-        res["checks"][name] = {"ok": bool(cond), **info}
+
+class Verification:
+    """One run against a P/D pair: the prompts, the result document and the checks so far."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.P, self.D, self.n = args.prefill, args.decode, args.prompt_tokens
+        self.nixl = args.connector == "nixl"
+        self.prompts = {k: tokens(self.D, v, self.n) for k, v in TEXTS.items()}
+        self.res: dict[str, Any] = {
+            "connector": args.connector,
+            "prompt_tokens": self.n,
+            "max_tokens": args.max_tokens,
+            "baseline": {},
+            "checks": {},
+        }
+        self.ok = True
+
+    def check(self, name: str, cond: bool, **info: Any) -> None:
+        self.ok &= bool(cond)
+        self.res["checks"][name] = {"ok": bool(cond), **info}
         print(f"[verify] {'PASS' if cond else 'FAIL'} {name}: {json.dumps(info)}", flush=True)
 
-    # Warm-up (first request compiles/allocates) with an unrelated salted prompt.
-    post(D + "/v1/completions", body(prompts["B"][:40], 2, cache_salt=uuid.uuid4().hex))
-    post(P + "/v1/completions", body(prompts["B"][:40], 2, cache_salt=uuid.uuid4().hex))
+    def body(self, key_or_prompt: str | list[int], **extra: Any) -> dict[str, Any]:
+        prompt = self.prompts[key_or_prompt] if isinstance(key_or_prompt, str) else key_or_prompt
+        return body(prompt, self.args.max_tokens, **extra)
 
-    if args.connector == "nixl":
-        for k in ("A", "C", "D"):
-            data, dt = post(
-                D + "/v1/completions",
-                body(prompts[k], args.max_tokens, cache_salt=uuid.uuid4().hex),
-            )
-            res["baseline"][k] = {"text": text_of(data), "latency_s": round(dt, 3)}
-    else:
-        if not args.baseline:
-            raise SystemExit("--connector example needs --baseline (JSON of a NIXL run)")
-        res["baseline"] = json.loads(args.baseline.read_text())["baseline"]
-    print(f"[verify] baseline: {json.dumps(res['baseline'])}", flush=True)
+    def decode(self, b: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        return post(self.D + "/v1/completions", b)
 
-    # (a)/(b): disaggregated A.
-    before = counters(D)
-    b = body(prompts["A"], args.max_tokens)
-    t0 = time.perf_counter()
-    params, p_dt = p_leg(P, b, args.connector)
-    db = dict(b, kv_transfer_params=params) if args.connector == "nixl" else b
-    d_resp, d_dt = post(D + "/v1/completions", db)
-    total = time.perf_counter() - t0
-    after = counters(D)
-    dd = delta(before, after)
-    res["disagg"] = {
-        "kv_transfer_params": params,
-        "text": text_of(d_resp),
-        "p_latency_s": round(p_dt, 3),
-        "d_latency_s": round(d_dt, 3),
-        "total_s": round(total, 3),
-        "decode_metric_deltas": dd,
-    }
-    print(f"[verify] P kv_transfer_params: {json.dumps(params)}", flush=True)
-    check(
-        "disagg_output_equals_baseline",
-        text_of(d_resp) == res["baseline"]["A"]["text"],
-        disagg=text_of(d_resp),
-        baseline=res["baseline"]["A"]["text"],
-    )
-    check("external_kv_tokens_rose", dd["external_kv_transfer"] > 0, deltas=dd)
-    if args.connector == "nixl":
-        check("nixl_xfer_count_rose", dd["nixl_xfer_count"] >= 1, deltas=dd)
-        check("p_returned_kv_transfer_params", bool(params and params.get("remote_block_ids")))
-    else:
-        check("external_prefix_cache_hits_rose", dd["external_prefix_cache_hits"] > 0, deltas=dd)
+    def baseline_text(self, key: str) -> str:
+        return str(self.res["baseline"][key]["text"])
 
-    # (c): negative control.
-    if args.connector == "nixl":
-        before = counters(D)
-        other_params, _ = p_leg(P, body(prompts["D"], args.max_tokens), "nixl")
-        wrong, _ = post(
-            D + "/v1/completions",
-            body(prompts["C"], args.max_tokens, kv_transfer_params=other_params),
+    def warm_up(self) -> None:
+        """The first request compiles/allocates: an unrelated salted prompt to each engine."""
+        post(
+            self.D + "/v1/completions", body(self.prompts["B"][:40], 2, cache_salt=uuid.uuid4().hex)
         )
-        dd = delta(before, counters(D))
-        res["negative"] = {"text": text_of(wrong), "decode_metric_deltas": dd}
-        check(
+        post(
+            self.P + "/v1/completions", body(self.prompts["B"][:40], 2, cache_salt=uuid.uuid4().hex)
+        )
+
+    def baseline(self) -> None:
+        if self.nixl:
+            for k in ("A", "C", "D"):
+                data, dt = self.decode(self.body(k, cache_salt=uuid.uuid4().hex))
+                self.res["baseline"][k] = {"text": text_of(data), "latency_s": round(dt, 3)}
+        else:
+            if not self.args.baseline:
+                raise SystemExit("--connector example needs --baseline (JSON of a NIXL run)")
+            self.res["baseline"] = json.loads(self.args.baseline.read_text())["baseline"]
+        print(f"[verify] baseline: {json.dumps(self.res['baseline'])}", flush=True)
+
+    def disaggregated(self) -> None:
+        """(a)/(b): prompt A through P then D; D's output and metrics."""
+        before = counters(self.D)
+        b = self.body("A")
+        t0 = time.perf_counter()
+        params, p_dt = p_leg(self.P, b, self.args.connector)
+        d_resp, d_dt = self.decode(dict(b, kv_transfer_params=params) if self.nixl else b)
+        total = time.perf_counter() - t0
+        dd = delta(before, counters(self.D))
+        self.res["disagg"] = {
+            "kv_transfer_params": params,
+            "text": text_of(d_resp),
+            "p_latency_s": round(p_dt, 3),
+            "d_latency_s": round(d_dt, 3),
+            "total_s": round(total, 3),
+            "decode_metric_deltas": dd,
+        }
+        print(f"[verify] P kv_transfer_params: {json.dumps(params)}", flush=True)
+        self.check(
+            "disagg_output_equals_baseline",
+            text_of(d_resp) == self.baseline_text("A"),
+            disagg=text_of(d_resp),
+            baseline=self.baseline_text("A"),
+        )
+        self.check("external_kv_tokens_rose", dd["external_kv_transfer"] > 0, deltas=dd)
+        if self.nixl:
+            self.check("nixl_xfer_count_rose", dd["nixl_xfer_count"] >= 1, deltas=dd)
+            self.check(
+                "p_returned_kv_transfer_params", bool(params and params.get("remote_block_ids"))
+            )
+        else:
+            self.check(
+                "external_prefix_cache_hits_rose", dd["external_prefix_cache_hits"] > 0, deltas=dd
+            )
+
+    def negative_nixl(self) -> None:
+        """(c) NIXL: D gets prompt C with the params of prompt D; its output must differ."""
+        before = counters(self.D)
+        other_params, _ = p_leg(self.P, self.body("D"), "nixl")
+        wrong, _ = self.decode(self.body("C", kv_transfer_params=other_params))
+        dd = delta(before, counters(self.D))
+        self.res["negative"] = {"text": text_of(wrong), "decode_metric_deltas": dd}
+        self.check(
             "negative_control_output_differs",
-            text_of(wrong) != res["baseline"]["C"]["text"],
+            text_of(wrong) != self.baseline_text("C"),
             wrong=text_of(wrong),
-            baseline_C=res["baseline"]["C"]["text"],
-            baseline_D=res["baseline"]["D"]["text"],
+            baseline_C=self.baseline_text("C"),
+            baseline_D=self.baseline_text("D"),
             deltas=dd,
         )
-    elif args.store and args.venv_python:
-        # C: P stores, noise overwrites, D loads noise -> output must differ from the clean baseline.
-        p_leg(P, body(prompts["C"], args.max_tokens), "example")
-        nfiles = noise_store(args.store, args.venv_python)
-        before = counters(D)
-        noisy, _ = post(D + "/v1/completions", body(prompts["C"], args.max_tokens))
-        dd = delta(before, counters(D))
-        res["negative"] = {
+
+    def negative_example(self) -> None:
+        """(c) Example: P stores C, noise overwrites the store, D loads noise; output must differ."""
+        p_leg(self.P, self.body("C"), "example")
+        nfiles = noise_store(self.args.store, self.args.venv_python)
+        before = counters(self.D)
+        noisy, _ = self.decode(self.body("C"))
+        dd = delta(before, counters(self.D))
+        self.res["negative"] = {
             "text": text_of(noisy),
             "files_noised": nfiles,
             "decode_metric_deltas": dd,
         }
-        check(
+        self.check(
             "negative_control_noise_changes_output",
-            text_of(noisy) != res["baseline"]["C"]["text"],
+            text_of(noisy) != self.baseline_text("C"),
             noisy=text_of(noisy),
-            baseline_C=res["baseline"]["C"]["text"],
+            baseline_C=self.baseline_text("C"),
             files=nfiles,
             deltas=dd,
         )
 
-    # Latency sample: 5 disaggregated requests with fresh prompts (rotated token lists).
-    lat = []
-    for i in range(5):
-        pr = prompts["B"][i + 1 :] + prompts["B"][: i + 1]
-        t0 = time.perf_counter()
-        params, _ = p_leg(P, body(pr, args.max_tokens), args.connector)
-        post(
-            D + "/v1/completions",
-            dict(
-                body(pr, args.max_tokens),
-                **({"kv_transfer_params": params} if args.connector == "nixl" else {}),
-            ),
+    def latency_sample(self) -> None:
+        """5 disaggregated requests with fresh prompts (rotated token lists)."""
+        lat = []
+        for i in range(5):
+            pr = self.prompts["B"][i + 1 :] + self.prompts["B"][: i + 1]
+            t0 = time.perf_counter()
+            params, _ = p_leg(self.P, self.body(pr), self.args.connector)
+            self.decode(
+                dict(self.body(pr), **({"kv_transfer_params": params} if self.nixl else {}))
+            )
+            lat.append(round(time.perf_counter() - t0, 3))
+        self.res["disagg_latencies_s"] = lat
+        print(
+            f"[verify] 1P1D end-to-end latency ({self.n} prompt + {self.args.max_tokens} output tokens): {lat}",
+            flush=True,
         )
-        lat.append(round(time.perf_counter() - t0, 3))
-    res["disagg_latencies_s"] = lat
-    print(
-        f"[verify] 1P1D end-to-end latency ({n} prompt + {args.max_tokens} output tokens): {lat}",
-        flush=True,
-    )
-    res["ok"] = ok
+
+
+def main() -> int:
+    args = parse_args()
+    v = Verification(args)
+    v.warm_up()
+    v.baseline()
+    v.disaggregated()
+    if v.nixl:
+        v.negative_nixl()
+    elif args.store and args.venv_python:
+        v.negative_example()
+    v.latency_sample()
+    v.res["ok"] = v.ok
     if args.out:
-        args.out.write_text(json.dumps(res, indent=2))
-    print(f"[verify] {'ALL PASS' if ok else 'SOME CHECKS FAILED'}")
-    return 0 if ok else 1
+        args.out.write_text(json.dumps(v.res, indent=2))
+    print(f"[verify] {'ALL PASS' if v.ok else 'SOME CHECKS FAILED'}")
+    return 0 if v.ok else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,315 @@
+"""Start, stop and inspect a prefill/decode engine pair (the Python API behind launch.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engines.vllm.command import EngineSpec, engine_command
+from engines.vllm.engine import (
+    Engine,
+    cleanup_state,
+    free_port,
+    load_engines,
+    port_in_use,
+    wait_healthy,
+    write_state,
+)
+from engines.vllm.process_family import family
+from engines.vllm.settings import (
+    CONNECTORS,
+    SERVED_MODEL_NAME,
+    EngineError,
+    Settings,
+    ensure_ready,
+    log,
+    model_ready,
+    venv_ready,
+)
+
+
+@dataclass
+class EnginePair:
+    prefill: Engine
+    decode: Engine
+    connector: str
+    run_dir: Path
+    model: str = SERVED_MODEL_NAME
+    model_dir: Path | None = None
+    shared_storage_path: Path | None = None
+    startup_seconds: float = 0.0
+
+    @property
+    def prefill_url(self) -> str:
+        return self.prefill.url
+
+    @property
+    def decode_url(self) -> str:
+        return self.decode.url
+
+    @property
+    def engines(self) -> tuple[Engine, Engine]:
+        return (self.prefill, self.decode)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        stop_engines(self.run_dir, timeout=timeout, engines=self.engines)
+
+
+def start_engines(
+    connector: str = "nixl",
+    prefill_port: int = 8100,
+    decode_port: int = 8200,
+    *,
+    run_dir: Path | str | None = None,
+    settings: Settings | None = None,
+    prefill_side_channel_port: int = 5600,
+    decode_side_channel_port: int = 5601,
+    prefill_cpu_bind: str = "0",
+    decode_cpu_bind: str = "1",
+    shared_storage_path: Path | str | None = None,
+    timeout: float = 300.0,
+    ensure: bool = True,
+    nixl_prog_thread: bool = False,
+    kv_lease_duration: int | None = None,
+    max_model_len: int = 512,
+    block_size: int = 32,
+    kv_cache_gib: int = 1,
+    extra_args: Sequence[str] = (),
+) -> EnginePair:
+    """Start a prefill and a decode engine in parallel and wait until both are healthy.
+
+    On failure both are stopped and EngineError is raised (with the log tails).
+    """
+    if connector not in CONNECTORS:
+        raise ValueError(f"connector must be one of {CONNECTORS}, not {connector!r}")
+    settings = settings or Settings.from_env()
+    _check_prepared(settings, ensure)
+    run_dir = Path(run_dir) if run_dir is not None else settings.default_run_dir()
+    ports = [prefill_port, decode_port]
+    if connector == "nixl":
+        ports += [prefill_side_channel_port, decode_side_channel_port]
+    _prepare_run_dir(run_dir, ports)
+    store = _fresh_store(run_dir, shared_storage_path) if connector == "example" else None
+    specs = [
+        EngineSpec("prefill", prefill_port, prefill_cpu_bind, prefill_side_channel_port),
+        EngineSpec("decode", decode_port, decode_cpu_bind, decode_side_channel_port),
+    ]
+    command_options: dict[str, Any] = dict(
+        shared_storage_path=store,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        kv_cache_gib=kv_cache_gib,
+        kv_lease_duration=kv_lease_duration,
+        nixl_prog_thread=nixl_prog_thread,
+        extra_args=extra_args,
+    )
+    return _launch_pair(settings, specs, connector, run_dir, command_options, timeout)
+
+
+def _check_prepared(settings: Settings, ensure: bool) -> None:
+    """Build the venv and model (ensure), or check that they exist."""
+    if ensure:
+        ensure_ready(settings)
+    elif not (venv_ready(settings) and model_ready(settings)):
+        raise EngineError(
+            f"venv {settings.venv} or model {settings.model_dir} missing; run `make engines-model`"
+        )
+
+
+def _prepare_run_dir(run_dir: Path, ports: Sequence[int]) -> None:
+    """Create run_dir; refuse to start over engines recorded there or on a port already in use."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    running = [e for e in load_engines(run_dir) if e.alive()]
+    if running:
+        raise EngineError(
+            f"engines already running from {run_dir}: "
+            f"{', '.join(f'{e.role} pid {e.pid} port {e.port}' for e in running)}; stop them first"
+        )
+    for port in ports:
+        if port_in_use(port):
+            raise EngineError(f"port {port} on 127.0.0.1 is already in use")
+
+
+def _fresh_store(run_dir: Path, shared_storage_path: Path | str | None) -> Path:
+    """An empty ExampleConnector store.
+
+    ExampleConnector never deletes its files; start each pair with an empty store so a stale
+    entry can not pass for a transfer.
+    """
+    store = Path(shared_storage_path) if shared_storage_path else run_dir / "example-kv-store"
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
+    return store
+
+
+def _launch_pair(
+    settings: Settings,
+    specs: Sequence[EngineSpec],
+    connector: str,
+    run_dir: Path,
+    command_options: dict[str, Any],
+    timeout: float,
+) -> EnginePair:
+    """Spawn the prefill and the decode engine (specs, in that order) and wait until both are healthy.
+
+    On any failure (Ctrl+C included) the engines started so far are stopped.
+    """
+    engines: list[Engine] = []
+    t0 = time.monotonic()
+    try:
+        for spec in specs:
+            _spawn(settings, spec, connector, run_dir, command_options, started=engines)
+        log(f"waiting up to {timeout:.0f} s for /health (about 30 s on a quiet machine) ...")
+        wait_healthy(engines, timeout=timeout)
+    except BaseException:
+        for eng in engines:
+            eng.stop(timeout=10)
+        cleanup_state(run_dir)
+        raise
+    elapsed = time.monotonic() - t0
+    urls = ", ".join(f"{e.role} {e.url}" for e in engines)
+    log(f"both engines healthy in {elapsed:.1f} s: {urls}, model {SERVED_MODEL_NAME!r}")
+    prefill, decode = engines
+    return EnginePair(
+        prefill=prefill,
+        decode=decode,
+        connector=connector,
+        run_dir=run_dir,
+        model_dir=settings.model_dir,
+        shared_storage_path=command_options["shared_storage_path"],
+        startup_seconds=elapsed,
+    )
+
+
+def _spawn(
+    settings: Settings,
+    spec: EngineSpec,
+    connector: str,
+    run_dir: Path,
+    command_options: dict[str, Any],
+    *,
+    started: list[Engine],
+) -> None:
+    """Start one engine, logging to <run_dir>/<role>.log, and record its state file.
+
+    The engine joins `started` as soon as it runs, so a failure after that still stops it.
+    """
+    argv, env = engine_command(settings, spec, connector, **command_options)
+    log_path = run_dir / f"{spec.role}.log"
+    popen = _popen_logged(argv, env, log_path, cwd=run_dir)
+    eng = Engine(
+        role=spec.role,
+        port=spec.port,
+        pid=popen.pid,
+        log_path=log_path,
+        host=spec.host,
+        side_channel_port=spec.side_channel_port if connector == "nixl" else None,
+        _popen=popen,
+    )
+    started.append(eng)
+    write_state(run_dir, eng, connector, argv)
+    log(
+        f"started {spec.role} engine: pid {popen.pid}, port {spec.port}, connector {connector}, "
+        f"cpu bind {spec.cpu_bind}, log {log_path}"
+    )
+
+
+def _popen_logged(
+    argv: list[str], env: dict[str, str], log_path: Path, cwd: Path
+) -> subprocess.Popen[bytes]:
+    """Start argv in a new session (its own process group), output to log_path after a `$ argv` line."""
+    with open(log_path, "wb") as logf:
+        logf.write(("$ " + " ".join(argv) + "\n").encode())
+        logf.flush()
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=str(cwd),
+        )
+
+
+def stop_engines(
+    run_dir: Path | str | None = None,
+    timeout: float = 30.0,
+    engines: Sequence[Engine] | None = None,
+) -> list[Engine]:
+    """Stop the engines recorded in run_dir (SIGTERM, then SIGKILL after timeout, children included)."""
+    run_dir = Path(run_dir) if run_dir is not None else Settings.from_env().default_run_dir()
+    engines = list(engines) if engines is not None else load_engines(run_dir)
+    stopped = []
+    for eng in engines:
+        if eng.alive() or family(eng.pid, eng.pid):
+            log(f"stopping {eng.role} engine (pid {eng.pid}, port {eng.port})")
+            eng.stop(timeout=timeout)
+            stopped.append(eng)
+    cleanup_state(run_dir)
+    return stopped
+
+
+def engine_status(run_dir: Path | str | None = None) -> list[dict]:
+    run_dir = Path(run_dir) if run_dir is not None else Settings.from_env().default_run_dir()
+    out = []
+    for eng in load_engines(run_dir):
+        alive = eng.alive()
+        out.append(
+            {
+                "role": eng.role,
+                "pid": eng.pid,
+                "port": eng.port,
+                "url": eng.url,
+                "alive": alive,
+                "healthy": alive and eng.healthy(),
+                "processes": len(family(eng.pid, eng.pid)),
+                "log": str(eng.log_path),
+            }
+        )
+    return out
+
+
+@contextlib.contextmanager
+def vllm_engines(
+    connector: str = "nixl",
+    prefill_port: int | None = None,
+    decode_port: int | None = None,
+    *,
+    run_dir: Path | str | None = None,
+    keep_run_dir: bool = False,
+    **kwargs,
+) -> Iterator[EnginePair]:
+    """Context manager: ensure venv+model, start P and D, yield an EnginePair, stop both on exit.
+
+    Ports default to free ephemeral ports (NIXL side-channel ports too); the run dir defaults to a
+    fresh temporary directory under $PDPROXY_CACHE/run that is removed on exit unless keep_run_dir
+    (logs are kept if start-up fails).
+    """
+    settings = kwargs.pop("settings", None) or Settings.from_env()
+    prefill_port = prefill_port or free_port()
+    decode_port = decode_port or free_port()
+    if connector == "nixl":
+        kwargs.setdefault("prefill_side_channel_port", free_port())
+        kwargs.setdefault("decode_side_channel_port", free_port())
+    made_tmp = run_dir is None
+    if made_tmp:
+        base = settings.cache_dir / "run"
+        base.mkdir(parents=True, exist_ok=True)
+        run_dir = Path(tempfile.mkdtemp(prefix=f"{connector}-", dir=base))
+    pair = start_engines(
+        connector, prefill_port, decode_port, run_dir=run_dir, settings=settings, **kwargs
+    )
+    try:
+        yield pair
+    finally:
+        pair.stop()
+        if made_tmp and not keep_run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
