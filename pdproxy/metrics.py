@@ -15,14 +15,9 @@ class ProxyMetrics:
         self.registry = registry
         self.requests = Counter(
             "pdproxy_requests_total",
-            "Client requests by endpoint and outcome.",
+            "Client requests by endpoint and outcome (ok, client_disconnected, or the error type,"
+            " mid-stream failures included).",
             ("endpoint", "outcome"),
-            registry=registry,
-        )
-        self.leg_errors = Counter(
-            "pdproxy_leg_errors_total",
-            "Upstream leg failures by role and error type.",
-            ("role", "error"),
             registry=registry,
         )
         self.prefill_seconds = Histogram(

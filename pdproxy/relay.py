@@ -108,11 +108,17 @@ class StreamRelay:
         self._upstream.release()  # complete: keep the connection for the next request
         return None
 
+    @property
+    def failure(self) -> ProxyError | None:
+        """Why the stream ended with an error event, if it did."""
+        return self._failure
+
     def _fail(self, error: UpstreamError) -> bytes:
         self._done = True
+        self._failure = self._failure or error
         tail = self._tail
         separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-        return separator + sse_error_event(self._failure or error)
+        return separator + sse_error_event(self._failure)
 
     def close(self) -> None:
         self._done = True

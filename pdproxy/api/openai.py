@@ -80,8 +80,7 @@ async def _serve(state: AppState, request: ClientRequest, receive: Receive, send
         response = await _orchestrate(state, request, send)
         if response is None:
             return "error"
-        await _send_response(send, response)
-        return "ok"
+        return await _send_response(send, response)
     except asyncio.CancelledError:
         if not disconnected.is_set():
             raise
@@ -121,7 +120,8 @@ async def _watch_disconnect(
         task.cancel()
 
 
-async def _send_response(send: Send, response: ProxyResponse) -> None:
+async def _send_response(send: Send, response: ProxyResponse) -> str:
+    """Write the response; returns the outcome ("ok", or why a stream ended in error)."""
     headers = [
         (b"content-type", response.content_type.encode("latin-1")),
         (b"x-request-id", response.request_id.encode("latin-1")),
@@ -130,13 +130,15 @@ async def _send_response(send: Send, response: ProxyResponse) -> None:
         headers.append((b"content-length", str(len(response.body)).encode("latin-1")))
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": response.body})
-        return
+        return "ok"
     headers.append((b"cache-control", b"no-cache"))
     try:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await _send_stream(send, response.stream)
     finally:
         response.stream.close()
+    failure = response.stream.failure
+    return "ok" if failure is None else _outcome(failure)
 
 
 async def _send_stream(send: Send, stream: StreamRelay) -> None:
