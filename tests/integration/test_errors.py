@@ -95,7 +95,8 @@ async def test_decode_dies_mid_stream_ends_with_one_error_event(nixl_2p2d):
     assert sum(b'"text"' in e for e in events) >= 1
     async with aiohttp.ClientSession() as s, s.get(d.proxy.url + "/metrics") as r:
         metrics = await r.text()
-    assert 'pdproxy_requests_total{endpoint="/v1/completions",outcome="UpstreamProtocolError"} 1.0' in metrics
+    labels = 'endpoint="/v1/completions",outcome="UpstreamProtocolError"'
+    assert f"pdproxy_requests_total{{{labels}}} 1.0" in metrics
 
 
 async def test_decode_dies_non_streaming_is_502(nixl_2p2d):
