@@ -66,12 +66,18 @@ class UpstreamResponse:
     url: str
     _response: aiohttp.ClientResponse
 
-    async def read(self) -> bytes:
-        """The whole body (bounded by the read timeout unless the leg was a stream)."""
+    async def read_all(self) -> bytes:
+        """The whole body (bounded by the read timeout unless the leg was a stream); then the
+        connection is pooled again, or dropped if reading failed."""
         try:
-            return await self._response.read()
-        except _FAILURES as exc:
-            raise _translate(exc, self.leg, self.url) from exc
+            data = await self._response.read()
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, _FAILURES):
+                raise _translate(exc, self.leg, self.url) from exc
+            raise
+        self.release()
+        return data
 
     async def read_chunk(self) -> bytes:
         """Whatever body bytes have arrived (waiting for some), unparsed; b"" at the end.
@@ -157,13 +163,7 @@ class EngineClient:
     ) -> tuple[UpstreamResponse, bytes]:
         """POST and read the whole answer; the connection is pooled again or dropped."""
         upstream = await self.post(url, body, headers, leg=leg, stream=False)
-        try:
-            data = await upstream.read()
-        except BaseException:
-            upstream.close()
-            raise
-        upstream.release()
-        return upstream, data
+        return upstream, await upstream.read_all()
 
     async def get_json(self, url: str) -> Any:
         """A probe (``/v1/models``, ``/health``): short timeout, its own pool."""

@@ -118,23 +118,25 @@ class Orchestrator:
         if prefill_answer is not None and "kv_transfer_params" not in prefill_answer:
             self._metrics.kv_params_missing.inc()
         headers = leg_headers(transfer.request_id, request.authorization)
+        streaming = is_streaming(request.body)
         endpoint.in_flight += 1
+        relayed = False
         try:
             upstream = await self._client.post(
                 endpoint.url + request.kind.path,
                 orjson.dumps(body_dict),
                 headers,
                 leg="decode",
-                stream=is_streaming(request.body),
+                stream=streaming,
             )
-        except BaseException:
-            endpoint.in_flight -= 1
-            raise
-        if upstream.status >= 300 or not is_streaming(request.body):
-            with _in_flight_released(endpoint, upstream):
-                return await _whole_answer(upstream, transfer.request_id)
-        relay = StreamRelay(upstream, lambda: _release(endpoint), self._watchdog)
-        return ProxyResponse(200, "text/event-stream", transfer.request_id, stream=relay)
+            if streaming and upstream.status < 300:
+                relayed = True  # from here the relay uncounts the leg when it closes
+                relay = StreamRelay(upstream, lambda: _release(endpoint), self._watchdog)
+                return ProxyResponse(200, "text/event-stream", transfer.request_id, stream=relay)
+            return _whole_answer(upstream, await upstream.read_all(), transfer.request_id)
+        finally:
+            if not relayed:
+                _release(endpoint)
 
     async def _concurrent(self, request: ClientRequest, transfer: Transfer) -> ProxyResponse:
         """Send P and D together (push/WRITE transfers); a failed P aborts D."""
@@ -142,8 +144,8 @@ class Orchestrator:
         decode = asyncio.create_task(self._decode(request, transfer, None))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
-            if prefill.done() and prefill.exception() is not None:
-                raise _task_error(prefill)
+            if prefill.done():
+                prefill.result()  # re-raises a failed prefill before waiting on the decode
             response = await decode
         except BaseException:
             await _cancel(prefill, decode)
@@ -187,8 +189,7 @@ def _parse_prefill_answer(data: bytes) -> dict[str, Any]:
     return answer
 
 
-async def _whole_answer(upstream: UpstreamResponse, request_id: str) -> ProxyResponse:
-    data = await upstream.read()
+def _whole_answer(upstream: UpstreamResponse, data: bytes, request_id: str) -> ProxyResponse:
     if upstream.status >= 300:
         raise UpstreamStatusError(
             leg="decode", status=upstream.status, body=data, content_type=upstream.content_type
@@ -209,34 +210,8 @@ class _in_flight:
         self._endpoint.in_flight -= 1
 
 
-class _in_flight_released:
-    """Uncount an already-counted decode leg when the block ends, and free its upstream:
-    pooled again when the answer was read whole, dropped otherwise."""
-
-    def __init__(self, endpoint: Endpoint, upstream: UpstreamResponse) -> None:
-        self._endpoint = endpoint
-        self._upstream = upstream
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is None:
-            self._upstream.release()
-        else:
-            self._upstream.close()
-        _release(self._endpoint)
-
-
 def _release(endpoint: Endpoint) -> None:
     endpoint.in_flight -= 1
-
-
-def _task_error(task: asyncio.Task[Any]) -> BaseException:
-    error = task.exception()
-    if error is None:
-        raise RuntimeError("task finished without an error")
-    return error
 
 
 def _consume_result(task: asyncio.Task[Any]) -> None:

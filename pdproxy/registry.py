@@ -7,9 +7,9 @@ Mutated only on the event loop, so it needs no locks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Snapshot, Source
+from pdproxy.types import Endpoint, EndpointState, Role, Snapshot
 
 
 class EndpointRegistry:
@@ -34,10 +34,6 @@ class EndpointRegistry:
             endpoint.in_flight = previous.in_flight
         self._by_url[endpoint.url] = endpoint
         self._changed()
-
-    def add_static(self, role: Role, addresses: Iterable[EngineAddress]) -> None:
-        for address in addresses:
-            self.add(Endpoint(role=role, address=address, source=Source.STATIC))
 
     def touch(self, url: str, ttl: float, last_seen: float) -> None:
         """Extend a registered instance's lease (a heartbeat)."""

@@ -14,12 +14,17 @@ class Clock:
         return self.now
 
 
+def _add_static(reg, role, addresses):
+    for address in addresses:
+        reg.add(Endpoint(role=role, address=address, source=Source.STATIC))
+
+
 def _reg(n_p=2, n_d=2, dp=1):
     reg = EndpointRegistry(Clock())
-    reg.add_static(
-        Role.PREFILL, [EngineAddress(url=f"http://p{i}:1", dp_size=dp) for i in range(n_p)]
+    _add_static(
+        reg, Role.PREFILL, [EngineAddress(url=f"http://p{i}:1", dp_size=dp) for i in range(n_p)]
     )
-    reg.add_static(Role.DECODE, [EngineAddress(url=f"http://d{i}:1") for i in range(n_d)])
+    _add_static(reg, Role.DECODE, [EngineAddress(url=f"http://d{i}:1") for i in range(n_d)])
     return reg
 
 
@@ -54,7 +59,7 @@ def test_draining_and_removed_are_not_routable():
 def test_expiry_spares_static_and_keeps_in_flight_on_upsert():
     clock = Clock()
     reg = EndpointRegistry(clock)
-    reg.add_static(Role.DECODE, [EngineAddress(url="http://s:1")])
+    _add_static(reg, Role.DECODE, [EngineAddress(url="http://s:1")])
     dyn = Endpoint(
         role=Role.PREFILL, address=EngineAddress(url="http://r:1"), source=Source.REGISTERED
     )
