@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import load
-from bench.procs import cpu_seconds, free_port, process, proxy_args, sim_args, wait_healthy
+from bench.procs import cpu_seconds, process, proxy_args, sim_args, wait_healthy
+from engines.ports import free_port, free_ports
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Deployment:
 @contextlib.asynccontextmanager
 async def sim_deployment(decode_tps: float, logdir: str) -> AsyncIterator[Deployment]:
     """One prefill sim, one decode sim and pdproxy, each its own process."""
-    p_port, d_port, x_port = free_port(), free_port(), free_port()
+    p_port, d_port, x_port = free_ports(3)
     p_url, d_url, x_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, x_port))
     with (
         process(sim_args(p_port, "prefill", decode_tps), f"{logdir}/prefill.log"),

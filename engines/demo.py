@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from engines.ports import free_ports
 from engines.procs import process
 
 PROMPT = "In a disaggregated deployment, the prefill engine computes the prompt's KV cache and"
@@ -37,12 +37,6 @@ class Engines:
 
 def _log(msg: str) -> None:
     print(f"[make run] {msg}", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str, timeout: float = 2.0) -> str:
@@ -66,7 +60,7 @@ def _wait_healthy(
 
 @contextlib.contextmanager
 def sim_engines() -> Iterator[Engines]:
-    p_port, d_port = _free_port(), _free_port()
+    p_port, d_port = free_ports(2)
     common = [sys.executable, "-m", "engines.sim", "--connector", "nixl", "--log-level", "warning"]
     with (
         process([*common, "--role", "prefill", "--port", str(p_port)]) as p,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.vllm.process_family import pid_alive, stop_family
-from engines.vllm.settings import ROLES, EngineError, log
+from engines.vllm.settings import ROLES, EngineError, PortInUseError, log
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
@@ -59,12 +59,6 @@ def tail(path: Path, lines: int = 40) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(data[-lines:])
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -113,8 +107,13 @@ class Engine:
         stop_family(self.pid, self.role, timeout=timeout, popen=self._popen)
 
 
+# A failed bind kills only the thread that tried it (NIXL's handshake listener, for one): the
+# engine stays up without ever turning healthy, so its log is the only early sign.
+_BIND_FAILURE = "Address already in use"
+
+
 def _poll_pending(pending: list[Engine], t0: float, progress: bool) -> None:
-    """Drop the engines that answer /health from pending; raise if one has exited."""
+    """Drop the engines that answer /health from pending; raise if one has exited or cannot bind."""
     for eng in list(pending):
         if eng.healthy():
             if progress:
@@ -123,6 +122,11 @@ def _poll_pending(pending: list[Engine], t0: float, progress: bool) -> None:
         elif not eng.alive():
             raise EngineError(
                 f"{eng.role} engine (pid {eng.pid}, port {eng.port}) exited during start-up; "
+                f"last lines of {eng.log_path}:\n{eng.log_tail()}"
+            )
+        elif _BIND_FAILURE in eng.log_tail(200):
+            raise PortInUseError(
+                f"{eng.role} engine (pid {eng.pid}, port {eng.port}) could not bind a port; "
                 f"last lines of {eng.log_path}:\n{eng.log_tail()}"
             )
 

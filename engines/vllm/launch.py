@@ -50,10 +50,10 @@ if not __package__:
     if _REPO_ROOT not in sys.path:
         sys.path.insert(0, _REPO_ROOT)
 
+from engines.ports import free_port
 from engines.vllm.command import EngineSpec, engine_command, kv_transfer_config
 from engines.vllm.engine import (
     Engine,
-    free_port,
     load_engines,
     metric_value,
     parse_metrics,
@@ -73,6 +73,7 @@ from engines.vllm.settings import (
     ROLES,
     SERVED_MODEL_NAME,
     EngineError,
+    PortInUseError,
     Settings,
     ensure_model,
     ensure_ready,
@@ -92,6 +93,7 @@ __all__ = [
     "EngineError",
     "EnginePair",
     "EngineSpec",
+    "PortInUseError",
     "Settings",
     "engine_command",
     "engine_status",

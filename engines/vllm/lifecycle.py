@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engines.ports import free_ports
 from engines.vllm.command import EngineSpec, engine_command
 from engines.vllm.engine import (
     Engine,
     cleanup_state,
-    free_port,
     load_engines,
     port_in_use,
     wait_healthy,
@@ -27,12 +27,15 @@ from engines.vllm.settings import (
     CONNECTORS,
     SERVED_MODEL_NAME,
     EngineError,
+    PortInUseError,
     Settings,
     ensure_ready,
     log,
     model_ready,
     venv_ready,
 )
+
+_PORT_ATTEMPTS = 3  # start-up tries when every port is ours to choose
 
 
 @dataclass
@@ -289,24 +292,40 @@ def vllm_engines(
 ) -> Iterator[EnginePair]:
     """Context manager: ensure venv+model, start P and D, yield an EnginePair, stop both on exit.
 
-    Ports default to free ephemeral ports (NIXL side-channel ports too); the run dir defaults to a
-    fresh temporary directory under $PDPROXY_CACHE/run that is removed on exit unless keep_run_dir
-    (logs are kept if start-up fails).
+    Ports default to free ports below the kernel's ephemeral range (NIXL side-channel ports too),
+    chosen afresh up to three times if an engine cannot bind one; the run dir defaults to a fresh
+    temporary directory under $PDPROXY_CACHE/run that is removed on exit unless keep_run_dir (logs
+    are kept if start-up fails).
     """
     settings = kwargs.pop("settings", None) or Settings.from_env()
-    prefill_port = prefill_port or free_port()
-    decode_port = decode_port or free_port()
-    if connector == "nixl":
-        kwargs.setdefault("prefill_side_channel_port", free_port())
-        kwargs.setdefault("decode_side_channel_port", free_port())
     made_tmp = run_dir is None
     if made_tmp:
         base = settings.cache_dir / "run"
         base.mkdir(parents=True, exist_ok=True)
         run_dir = Path(tempfile.mkdtemp(prefix=f"{connector}-", dir=base))
-    pair = start_engines(
-        connector, prefill_port, decode_port, run_dir=run_dir, settings=settings, **kwargs
-    )
+    side_keys = ("prefill_side_channel_port", "decode_side_channel_port")
+    chosen = not (prefill_port or decode_port or any(k in kwargs for k in side_keys))
+    for attempt in range(1, _PORT_ATTEMPTS + 1):
+        spare = iter(free_ports(4))
+        options = dict(kwargs)
+        if connector == "nixl":
+            for key in side_keys:
+                options.setdefault(key, next(spare))
+        try:
+            pair = start_engines(
+                connector,
+                prefill_port or next(spare),
+                decode_port or next(spare),
+                run_dir=run_dir,
+                settings=settings,
+                **options,
+            )
+            break
+        except PortInUseError as exc:
+            # Only ports we chose may be chosen again; an operator's ports are theirs to fix.
+            if not chosen or attempt == _PORT_ATTEMPTS:
+                raise
+            log(f"{exc.args[0].splitlines()[0]}; retrying with fresh ports")
     try:
         yield pair
     finally:

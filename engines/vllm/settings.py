@@ -22,6 +22,10 @@ class EngineError(RuntimeError):
     """An engine failed to start, or the venv/model could not be prepared."""
 
 
+class PortInUseError(EngineError):
+    """An engine could not bind one of its ports (HTTP or KV side channel); fresh ports may work."""
+
+
 def log(msg: str) -> None:
     print(f"[engines] {msg}", file=sys.stderr, flush=True)
 

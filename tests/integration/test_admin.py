@@ -9,6 +9,7 @@ import logging
 import aiohttp
 import pytest
 
+from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.config import ProxyConfig
 from pdproxy.types import EngineAddress
@@ -134,11 +135,7 @@ async def test_failed_probe_is_400():
             proxy, "/instances/add", {"type": "decode", "instance": f"127.0.0.1:{other.port}"}
         )
         assert status == 400 and "other" in text
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            dead = s.getsockname()[1]
+        dead = free_port()  # nothing listens there
         status, _ = await _admin(
             proxy, "/instances/add", {"type": "prefill", "instance": f"127.0.0.1:{dead}"}
         )

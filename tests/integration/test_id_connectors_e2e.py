@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import socket
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
 import pytest
 
+from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.config import ProxyConfig, RegistryConfig
 from pdproxy.types import EngineAddress
@@ -54,15 +54,9 @@ CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.asynccontextmanager
 async def fleet(case: Case):
-    port = _free_port()
+    port = free_port()
     sim = dict(
         connector=case.connector,
         model=MODEL,

@@ -13,6 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.config import ProxyConfig, RegistryConfig
 from pdproxy.types import EndpointState
@@ -22,17 +23,9 @@ from tests.servers import running_proxy
 TTL, SWEEP = 0.6, 0.1
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.asynccontextmanager
 async def registry_proxy(**overrides):
-    port = _free_port()
+    port = free_port()
     config = ProxyConfig(
         registry=RegistryConfig(port=port, host="127.0.0.1", ttl=TTL, sweep_interval=SWEEP),
         **overrides,
@@ -257,7 +250,7 @@ async def test_static_instances_never_expire(ttl):
             prefill=(EngineAddress(url=p.url),),
             decode=(EngineAddress(url=d.url),),
             registry=RegistryConfig(
-                port=_free_port(), host="127.0.0.1", ttl=ttl, sweep_interval=0.05
+                port=free_port(), host="127.0.0.1", ttl=ttl, sweep_interval=0.05
             ),
         )
         async with running_proxy(config) as proxy:

@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 import time
 
 import aiohttp
 
+from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.config import ProxyConfig, RegistryConfig
 from tests.integration.conftest import MODEL
 from tests.servers import running_proxy
 
 TTL = 1.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _sidecar(role: str, engine_url: str, registry: str):
@@ -52,7 +46,7 @@ async def _until(predicate, timeout: float) -> float:
 
 
 async def test_killed_engine_leaves_within_ttl_and_returns_on_restart():
-    port = _free_port()
+    port = free_port()
     config = ProxyConfig(
         registry=RegistryConfig(port=port, host="127.0.0.1", ttl=TTL, sweep_interval=0.1)
     )
@@ -61,7 +55,7 @@ async def test_killed_engine_leaves_within_ttl_and_returns_on_restart():
         running_proxy(config) as proxy,
         running_sim(SimConfig(role="prefill", model=MODEL)) as p,
     ):
-        d_port = _free_port()
+        d_port = free_port()
         d_url = f"http://127.0.0.1:{d_port}"
         sidecars = [
             await _sidecar("prefill", p.url, registry),
