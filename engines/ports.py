@@ -10,6 +10,7 @@ the only remaining collision is an explicit bind by another program, which the b
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 from pathlib import Path
@@ -51,12 +52,12 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         port = rng.choice(candidates)
         if port not in picked and bindable(port, host):
             picked.append(port)
-    while len(picked) < count:  # no room below the ephemeral range: fall back to the kernel
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in picked:
-            picked.append(port)
+    if len(picked) < count:  # no room below the ephemeral range: let the kernel choose
+        with contextlib.ExitStack() as held:  # held open together, so all distinct
+            for _ in range(count - len(picked)):
+                s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                s.bind((host, 0))
+                picked.append(int(s.getsockname()[1]))
     return picked
 
 
