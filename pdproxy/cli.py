@@ -18,9 +18,12 @@ from typing import Any
 from pdproxy.config import (
     KV_CONNECTORS,
     TRANSFER_MODES,
+    HealthConfig,
+    OutlierConfig,
     PoolLimits,
     ProxyConfig,
     RegistryConfig,
+    RetryConfig,
     Timeouts,
     parse_engine_url,
 )
@@ -43,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         _instance_flags,
         _server_flags,
         _upstream_flags,
+        _retry_flags,
+        _health_flags,
         _registry_flags,
         _admin_flags,
     ):
@@ -121,6 +126,112 @@ def _upstream_flags(p: argparse.ArgumentParser) -> None:
         float,
         4.0,
         "Idle pooled connections are closed after this, below vLLM's 5 s keep-alive.",
+    )
+
+
+def _number(
+    p: argparse.ArgumentParser, flags: Sequence[str], kind: type, default: float, text: str
+) -> None:
+    p.add_argument(*flags, type=kind, default=default, help=text)
+
+
+def _retry_flags(p: argparse.ArgumentParser) -> None:
+    d = RetryConfig()
+    t = Timeouts()
+    _number(
+        p,
+        ("--max-retries", "--retry-max-retries"),
+        int,
+        d.max_retries,
+        "Retries of a failed leg on another instance before the response starts (0: none).",
+    )
+    _number(
+        p,
+        ("--prefill-timeout-secs",),
+        float,
+        t.prefill,
+        "Seconds a prefill leg may take in all before it is retried elsewhere.",
+    )
+    _number(
+        p,
+        ("--decode-header-timeout-secs",),
+        float,
+        t.decode_headers,
+        "Seconds to wait for a streaming decode's response headers before retrying elsewhere.",
+    )
+    _number(
+        p,
+        ("--retry-budget-ratio",),
+        float,
+        d.budget_ratio,
+        "Retries allowed as a share of the requests of the last 10 s, fleet-wide.",
+    )
+    _number(
+        p,
+        ("--retry-budget-min-per-sec",),
+        float,
+        d.budget_min_per_sec,
+        "Retries per second always allowed on top of the ratio.",
+    )
+    _number(
+        p,
+        ("--retry-initial-backoff-ms",),
+        float,
+        d.initial_backoff * 1000,
+        "Backoff before retrying once every instance of a role was tried.",
+    )
+    _number(p, ("--retry-max-backoff-ms",), float, d.max_backoff * 1000, "Longest such backoff.")
+
+
+def _health_flags(p: argparse.ArgumentParser) -> None:
+    d = HealthConfig()
+    o = OutlierConfig()
+    _number(
+        p,
+        ("--health-check-interval-secs",),
+        float,
+        d.interval,
+        "Seconds between active health checks of every instance (0: off).",
+    )
+    _number(p, ("--health-check-timeout-secs",), float, d.timeout, "Timeout of one health check.")
+    _number(
+        p,
+        ("--health-failure-threshold",),
+        int,
+        d.failure_threshold,
+        "Failed checks in a row that make an instance unhealthy (not routable).",
+    )
+    _number(
+        p,
+        ("--health-success-threshold",),
+        int,
+        d.success_threshold,
+        "Passed checks in a row that make an unhealthy instance healthy again.",
+    )
+    p.add_argument(
+        "--health-check-endpoint", default=d.endpoint, help="Path the health checks GET."
+    )
+    _number(
+        p,
+        ("--outlier-consecutive-failures", "--cb-failure-threshold"),
+        int,
+        o.consecutive_failures,
+        "Failed legs in a row that eject an instance from rotation (0: never eject).",
+    )
+    _number(
+        p,
+        ("--outlier-base-ejection-secs", "--cb-timeout-duration-secs"),
+        float,
+        o.base_ejection,
+        "First ejection's length; it doubles on each re-ejection.",
+    )
+    _number(p, ("--outlier-max-ejection-secs",), float, o.max_ejection, "Longest ejection.")
+    _number(
+        p,
+        ("--max-ejection-percent",),
+        float,
+        o.max_ejection_percent,
+        "Most of a role's instances ejected at once, in percent (never the last one).",
     )
 
 
@@ -223,7 +334,32 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Pr
         kv_connector=args.kv_connector,
         model=args.model,
         max_body_bytes=args.max_body_bytes,
-        timeouts=Timeouts(connect=args.connect_timeout_secs, read=args.request_timeout_secs),
+        timeouts=Timeouts(
+            connect=args.connect_timeout_secs,
+            read=args.request_timeout_secs,
+            prefill=args.prefill_timeout_secs,
+            decode_headers=args.decode_header_timeout_secs,
+        ),
+        retry=RetryConfig(
+            max_retries=args.max_retries,
+            budget_ratio=args.retry_budget_ratio,
+            budget_min_per_sec=args.retry_budget_min_per_sec,
+            initial_backoff=args.retry_initial_backoff_ms / 1000,
+            max_backoff=args.retry_max_backoff_ms / 1000,
+        ),
+        health=HealthConfig(
+            interval=args.health_check_interval_secs,
+            timeout=args.health_check_timeout_secs,
+            failure_threshold=args.health_failure_threshold,
+            success_threshold=args.health_success_threshold,
+            endpoint=args.health_check_endpoint,
+        ),
+        outlier=OutlierConfig(
+            consecutive_failures=args.outlier_consecutive_failures,
+            base_ejection=args.outlier_base_ejection_secs,
+            max_ejection=args.outlier_max_ejection_secs,
+            max_ejection_percent=args.max_ejection_percent,
+        ),
         pool=PoolLimits(
             max_connections=args.max_connections,
             max_connections_per_host=args.max_connections_per_host,

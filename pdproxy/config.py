@@ -95,14 +95,21 @@ def parse_engine_url(text: str) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Timeouts:
-    """Seconds; ``read`` bounds the silence between two upstream chunks, not a whole stream."""
+    """Seconds; ``read`` bounds the silence between two upstream chunks, not a whole stream.
+
+    ``prefill`` bounds a whole prefill leg (its answer is one token); ``decode_headers`` the
+    wait for a streaming decode's response headers, which vLLM sends before generating.
+    Past either, the leg is retried on another instance.
+    """
 
     connect: float = 5.0
     read: float = 600.0
     probe: float = 2.0
+    prefill: float = 60.0
+    decode_headers: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("connect", "read", "probe"):
+        for name in ("connect", "read", "probe", "prefill", "decode_headers"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"timeout {name} must be positive")
 
@@ -124,6 +131,78 @@ class PoolLimits:
             raise ConfigError("connection limits must be >= 0")
         if not 0 < self.keepalive_expiry < 5:
             raise ConfigError("keepalive expiry must be in (0, 5) s, below vLLM's keep-alive")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryConfig:
+    """Retries of a failed leg on another instance, before the client's response starts.
+
+    At most ``max_retries`` per request (0 turns retries off), and fleet-wide at most
+    ``budget_ratio`` of the requests of the last ``budget_window`` seconds plus
+    ``budget_min_per_sec``. Backoff applies only once every instance of a role was tried.
+    """
+
+    max_retries: int = 2
+    budget_ratio: float = 0.2
+    budget_window: float = 10.0
+    budget_min_per_sec: float = 5.0
+    initial_backoff: float = 0.05
+    max_backoff: float = 1.0
+    backoff_multiplier: float = 2.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ConfigError("--max-retries must be >= 0")
+        if self.budget_ratio < 0 or self.budget_min_per_sec < 0 or self.budget_window <= 0:
+            raise ConfigError("the retry budget's ratio and floor must be >= 0, its window > 0")
+        if not 0 <= self.initial_backoff <= self.max_backoff:
+            raise ConfigError("retry backoff: need 0 <= initial <= max")
+        if self.backoff_multiplier < 1 or not 0 <= self.jitter <= 1:
+            raise ConfigError("retry backoff: multiplier >= 1 and jitter in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HealthConfig:
+    """Active health checks: ``GET endpoint`` on every instance each ``interval`` seconds
+    (0 turns them off), on the probe pool."""
+
+    interval: float = 5.0
+    timeout: float = 2.0
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    endpoint: str = "/health"
+
+    def __post_init__(self) -> None:
+        if self.interval < 0 or self.timeout <= 0:
+            raise ConfigError("health check interval must be >= 0 and its timeout > 0")
+        if self.failure_threshold < 1 or self.success_threshold < 1:
+            raise ConfigError("health check thresholds must be >= 1")
+        if not self.endpoint.startswith("/"):
+            raise ConfigError("--health-check-endpoint must start with /")
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutlierConfig:
+    """Passive health: ejection after ``consecutive_failures`` failed legs (0 turns it off)
+    for ``base_ejection`` seconds, doubling up to ``max_ejection``."""
+
+    consecutive_failures: int = 3
+    base_ejection: float = 5.0
+    max_ejection: float = 60.0
+    max_ejection_percent: float = 50.0
+
+    def __post_init__(self) -> None:
+        if self.consecutive_failures < 0:
+            raise ConfigError("--outlier-consecutive-failures must be >= 0")
+        if not 0 < self.base_ejection <= self.max_ejection:
+            raise ConfigError("ejection times: need 0 < base <= max")
+        if not 0 <= self.max_ejection_percent <= 100:
+            raise ConfigError("--max-ejection-percent must be in 0-100")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,6 +235,9 @@ class ProxyConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     pool: PoolLimits = field(default_factory=PoolLimits)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
     admin_api_key: str | None = field(default=None, repr=False)
     admin_allow_cidrs: tuple[str, ...] = ()
     log_level: str = "info"

@@ -140,14 +140,22 @@ class EngineClient:
         self._session = self._probe_session = None
 
     async def post(
-        self, url: str, body: bytes, headers: Mapping[str, str], *, leg: str, stream: bool
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        leg: str,
+        stream: bool,
+        headers_within: float | None = None,
     ) -> UpstreamResponse:
-        """POST and wait (up to the read timeout) for the response headers; the body is left
-        to the caller. A ``stream`` body's silence is the caller's to bound."""
+        """POST and wait for the response headers, at most ``headers_within`` seconds for a
+        stream (default: the read timeout); the body is left to the caller. A ``stream``
+        body's silence is the caller's to bound."""
         session = self._require(self._session)
         try:
             if stream:
-                async with _deadline(self._timeouts.read):
+                async with _deadline(headers_within or self._timeouts.read):
                     response = await session.post(
                         url, data=body, headers=headers, timeout=self._stream
                     )
@@ -159,11 +167,41 @@ class EngineClient:
         return UpstreamResponse(response.status, content_type, leg, url, response)
 
     async def post_read(
-        self, url: str, body: bytes, headers: Mapping[str, str], *, leg: str
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        leg: str,
+        within: float | None = None,
     ) -> tuple[UpstreamResponse, bytes]:
-        """POST and read the whole answer; the connection is pooled again or dropped."""
+        """POST and read the whole answer, in at most ``within`` seconds if given (else each
+        silence is bounded by the read timeout); the connection is pooled again or dropped."""
+        if within is None:
+            return await self._post_read(url, body, headers, leg)
+        try:
+            async with _deadline(within):
+                return await self._post_read(url, body, headers, leg)
+        except asyncio.TimeoutError as exc:
+            raise UpstreamTimeout(
+                f"{leg} engine {url} did not answer within {within:g} s", leg=leg
+            ) from exc
+
+    async def _post_read(
+        self, url: str, body: bytes, headers: Mapping[str, str], leg: str
+    ) -> tuple[UpstreamResponse, bytes]:
         upstream = await self.post(url, body, headers, leg=leg, stream=False)
         return upstream, await upstream.read_all()
+
+    async def probe(self, url: str, timeout: float) -> bool:
+        """An active health check: True when ``GET url`` answers 200 within ``timeout``."""
+        session = self._require(self._probe_session)
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                await response.read()
+                return response.status == 200
+        except _FAILURES:
+            return False
 
     async def get_json(self, url: str) -> Any:
         """A probe (``/v1/models``, ``/health``): short timeout, its own pool."""

@@ -9,6 +9,7 @@
     │   ├── UpstreamConnectError 503  could not connect; nothing was sent (retry-safe)
     │   ├── UpstreamTimeout   504   no answer in time; the request may have run
     │   ├── UpstreamProtocolError 502  broken or truncated answer
+    │   │   └── UpstreamServerError 502  a prefill answered 5xx (its body is not relayed)
     │   └── UpstreamStatusError  (engine status)  the engine answered non-2xx
     ├── AdminError                  the admin API refused a call (401/403/400/409)
     ConfigError                     invalid configuration (never reaches a client)
@@ -84,6 +85,15 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     pass
+
+
+class UpstreamServerError(UpstreamProtocolError):
+    """A prefill answered 5xx: the client gets 502, never the prefill's body, so it cannot
+    mistake the prefill's failure for a verdict on its own request."""
+
+    def __init__(self, *, leg: str, status: int) -> None:
+        super().__init__(f"{leg} engine answered HTTP {status}", leg=leg)
+        self.engine_status = status
 
 
 class UpstreamStatusError(UpstreamError):

@@ -20,10 +20,11 @@ from pdproxy.connectors import KVConnector
 from pdproxy.discovery.messages import Registration
 from pdproxy.engine_client import EngineClient
 from pdproxy.errors import AdminError, UpstreamError
+from pdproxy.health import HealthChecker
 from pdproxy.log import RateLimitedLogger
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.registry import EndpointRegistry
-from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Source
+from pdproxy.types import Endpoint, EndpointState, EngineAddress, ProbeState, Role, Source
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,12 @@ class Membership:
         client: EngineClient,
         connector: KVConnector,
         metrics: ProxyMetrics,
+        health: HealthChecker,
         clock: Callable[[], float],
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
+        self._health = health
         self._registry = registry
         self._client = client
         self._connector = connector
@@ -170,6 +173,7 @@ class Membership:
     # -- admission -----------------------------------------------------------------------
 
     def _admit(self, endpoint: Endpoint) -> None:
+        self._health.admitted(endpoint)
         if self._needs_probe(endpoint):
             endpoint.state = EndpointState.PENDING
             self._registry.add(endpoint)
@@ -260,3 +264,12 @@ class Membership:
                 self._metrics.endpoints.labels(role.value, state.value).set(
                     counts.get((role.value, state.value), 0)
                 )
+        self._metrics.set_endpoint_health(
+            (
+                e.role.value,
+                e.url,
+                e.health.probe is ProbeState.HEALTHY,
+                e.health.ejected_until is not None,
+            )
+            for e in self._registry.all()
+        )

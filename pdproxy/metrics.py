@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -49,6 +49,44 @@ class ProxyMetrics:
             ("role", "state"),
             registry=registry,
         )
+        self.retries = Counter(
+            "pdproxy_retries_total",
+            "Legs retried on another instance before the client's response started, by leg"
+            " and the failure that caused the retry (connect, timeout, reset, 5xx, 429, 408).",
+            ("leg", "reason"),
+            registry=registry,
+        )
+        self.retry_budget_exhausted = Counter(
+            "pdproxy_retry_budget_exhausted_total",
+            "Retry-safe leg failures that were not retried because the retry budget was spent.",
+            ("leg",),
+            registry=registry,
+        )
+        self.ejections = Counter(
+            "pdproxy_ejections_total",
+            "Instances taken out of rotation by outlier ejection (passive health).",
+            ("role", "url"),
+            registry=registry,
+        )
+        self.endpoint_healthy = Gauge(
+            "pdproxy_endpoint_healthy",
+            "1 while an instance passes its active health checks, else 0.",
+            ("role", "url"),
+            registry=registry,
+        )
+        self.endpoint_ejected = Gauge(
+            "pdproxy_endpoint_ejected",
+            "1 while an instance is ejected (breaker open or half-open), else 0.",
+            ("role", "url"),
+            registry=registry,
+        )
+        self.released_kv = Counter(
+            "pdproxy_released_kv_total",
+            "Prefills whose KV no decode would read, released early on the engines, by outcome.",
+            ("outcome",),
+            registry=registry,
+        )
+        self._endpoint_labels: set[tuple[str, str]] = set()
 
     def count_request(self, endpoint: str, outcome: str) -> None:
         """Hot path: label children are cached, as ``labels()`` takes a lock per call."""
@@ -58,6 +96,22 @@ class ProxyMetrics:
                 endpoint, outcome
             )
         child.inc()
+
+    def count_retry(self, leg: str, reason: str) -> None:
+        self.retries.labels(leg, reason).inc()
+
+    def set_endpoint_health(self, rows: Iterable[tuple[str, str, bool, bool]]) -> None:
+        """Per-instance gauges from ``(role, url, healthy, ejected)``; departed instances'
+        series are removed so the label set stays bounded by the fleet."""
+        seen = set()
+        for role, url, healthy, ejected in rows:
+            seen.add((role, url))
+            self.endpoint_healthy.labels(role, url).set(1 if healthy else 0)
+            self.endpoint_ejected.labels(role, url).set(1 if ejected else 0)
+        for labels in self._endpoint_labels - seen:
+            self.endpoint_healthy.remove(*labels)
+            self.endpoint_ejected.remove(*labels)
+        self._endpoint_labels = seen
 
     def track_in_flight(self, read: Callable[[], float]) -> None:
         """The in-flight gauge reads the live count at scrape time, costing nothing per request."""

@@ -1,52 +1,50 @@
-"""One request's prefill/decode flow, free of any web framework.
+"""One request's prefill/decode flow, free of any web framework, with its retries.
 
-schedule → connector fixes the ids → prefill leg (clamped, read whole) → decode leg (opened,
-status checked before anything reaches the client) → relay. Serial connectors run P then D;
-concurrent ones run both at once, and a failed P aborts the waiting D so a client never
-waits on KV that cannot come.
+pick a pair → the connector fixes the ids → prefill leg → decode leg (``Legs``). A leg that
+fails before anything reached the client is retried on another instance of its role
+(never the one that just failed), up to ``--max-retries`` per request and within the
+fleet-wide retry budget. The connector decides the retry's scope: a decode retry reuses
+the prefill's answer only where the KV is certainly still readable by another decode;
+otherwise the pair is re-run with a fresh transfer, and the prefill's KV, which no decode
+will read, is released (``KVRelease``). Once every instance of a role was tried, the next
+pass waits an exponential backoff with jitter.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+import dataclasses
+import random
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
+from pdproxy.config import RetryConfig
 from pdproxy.connectors import KVConnector, Transfer
-from pdproxy.engine_client import EngineClient, UpstreamResponse
-from pdproxy.errors import ProxyError, UpstreamProtocolError, UpstreamStatusError
+from pdproxy.errors import NoEndpointAvailable, UpstreamError
+from pdproxy.exchange import ClientRequest, ProxyResponse
+from pdproxy.kv_release import KVRelease
+from pdproxy.legs import Legs
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.registry import EndpointRegistry
-from pdproxy.relay import StreamRelay, StreamWatchdog
+from pdproxy.resilience.outlier import OutlierDetector
+from pdproxy.resilience.retry import Backoff, RetryBudget, retry_reason
 from pdproxy.scheduling import Scheduler
-from pdproxy.shaping import is_streaming, leg_headers
-from pdproxy.types import ApiKind, Endpoint
+from pdproxy.types import Endpoint, PairDecision, Role, Snapshot
 
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ClientRequest:
-    kind: ApiKind
-    body: Mapping[str, Any]  # parsed once; never mutated
-    request_id: str | None  # the client's X-Request-Id header, unvalidated
-    authorization: str | None
+__all__ = ["ClientRequest", "Orchestrator", "ProxyResponse"]
 
 
 @dataclass(slots=True)
-class ProxyResponse:
-    """What goes back to the client: a whole body, or a relay that must be closed."""
+class _Run:
+    """One request's retry state."""
 
-    status: int
-    content_type: str
-    request_id: str
-    body: bytes = b""
-    stream: StreamRelay | None = None
+    retries_left: int
+    tried: dict[Role, set[str]] = field(
+        default_factory=lambda: {Role.PREFILL: set(), Role.DECODE: set()}
+    )
+    last_failed: dict[Role, str] = field(default_factory=dict)
+    rounds: int = 0  # passes over an exhausted role, for the backoff
 
 
 class Orchestrator:
@@ -56,170 +54,140 @@ class Orchestrator:
         registry: EndpointRegistry,
         scheduler: Scheduler,
         connector: KVConnector,
-        client: EngineClient,
+        legs: Legs,
+        outliers: OutlierDetector,
+        release: KVRelease,
+        retry: RetryConfig,
+        budget: RetryBudget,
         metrics: ProxyMetrics,
+        rng: random.Random,
     ) -> None:
         self._registry = registry
         self._scheduler = scheduler
         self._connector = connector
-        self._client = client
+        self._legs = legs
+        self._outliers = outliers
+        self._release = release
+        self._max_retries = retry.max_retries
+        self._backoff = Backoff(
+            retry.initial_backoff, retry.max_backoff, retry.backoff_multiplier, retry.jitter
+        )
+        self._budget = budget
         self._metrics = metrics
-        self._background: set[asyncio.Task[Any]] = set()
-        self._watchdog = StreamWatchdog(client.read_timeout)
-        self._watchdog_task: asyncio.Task[None] | None = None
+        self._rng = rng
 
     def start(self) -> None:
-        self._watchdog_task = asyncio.create_task(self._watchdog.run())
-
-    async def handle(self, request: ClientRequest) -> ProxyResponse:
-        decision = self._scheduler.schedule(self._registry.snapshot())
-        transfer = self._connector.begin(decision, request.request_id)
-        logger.debug(
-            "%s: prefill %s (dp rank %s), decode %s",
-            transfer.request_id,
-            decision.prefill.url,
-            decision.prefill_dp_rank,
-            decision.decode.url,
-        )
-        if self._connector.runs_concurrently(transfer):
-            return await self._concurrent(request, transfer)
-        prefill_answer = await self._prefill(request, transfer)
-        return await self._decode(request, transfer, prefill_answer)
-
-    async def _prefill(self, request: ClientRequest, transfer: Transfer) -> dict[str, Any]:
-        """Run the clamped prefill leg; a non-2xx answer raises and no decode is sent."""
-        endpoint = transfer.decision.prefill
-        body = orjson.dumps(self._connector.prefill_body(request.body, transfer))
-        headers = leg_headers(
-            transfer.request_id, request.authorization, transfer.decision.prefill_dp_rank
-        )
-        started = time.perf_counter()
-        with _in_flight(endpoint):
-            upstream, data = await self._client.post_read(
-                endpoint.url + request.kind.path, body, headers, leg="prefill"
-            )
-        self._metrics.prefill_seconds.observe(time.perf_counter() - started)
-        if upstream.status >= 500:
-            raise UpstreamProtocolError(
-                f"prefill engine answered HTTP {upstream.status}", leg="prefill"
-            )
-        if upstream.status >= 300:
-            raise UpstreamStatusError(
-                leg="prefill", status=upstream.status, body=data, content_type=upstream.content_type
-            )
-        return _parse_prefill_answer(data)
-
-    async def _decode(
-        self, request: ClientRequest, transfer: Transfer, prefill_answer: Mapping[str, Any] | None
-    ) -> ProxyResponse:
-        """Open the decode leg and check its status before the client response starts."""
-        endpoint = transfer.decision.decode
-        body_dict = self._connector.decode_body(request.body, transfer, prefill_answer)
-        if prefill_answer is not None and "kv_transfer_params" not in prefill_answer:
-            self._metrics.kv_params_missing.inc()
-        headers = leg_headers(transfer.request_id, request.authorization)
-        streaming = is_streaming(request.body)
-        endpoint.in_flight += 1
-        relayed = False
-        try:
-            upstream = await self._client.post(
-                endpoint.url + request.kind.path,
-                orjson.dumps(body_dict),
-                headers,
-                leg="decode",
-                stream=streaming,
-            )
-            if streaming and upstream.status < 300:
-                relayed = True  # from here the relay uncounts the leg when it closes
-                relay = StreamRelay(upstream, lambda: _release(endpoint), self._watchdog)
-                return ProxyResponse(200, "text/event-stream", transfer.request_id, stream=relay)
-            return _whole_answer(upstream, await upstream.read_all(), transfer.request_id)
-        finally:
-            if not relayed:
-                _release(endpoint)
-
-    async def _concurrent(self, request: ClientRequest, transfer: Transfer) -> ProxyResponse:
-        """Send P and D together (push/WRITE transfers); a failed P aborts D."""
-        prefill = asyncio.create_task(self._prefill(request, transfer))
-        decode = asyncio.create_task(self._decode(request, transfer, None))
-        try:
-            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
-            if prefill.done():
-                prefill.result()  # re-raises a failed prefill before waiting on the decode
-            response = await decode
-        except BaseException:
-            await _cancel(prefill, decode)
-            raise
-        if response.stream is not None:
-            self._watch_prefill(prefill, response.stream)
-        elif not prefill.done():
-            self._keep(prefill)
-        return response
-
-    def _watch_prefill(self, prefill: asyncio.Task[Any], relay: StreamRelay) -> None:
-        """Abort the relay if P fails after D's stream has started."""
-
-        def on_done(task: asyncio.Task[Any]) -> None:
-            error = None if task.cancelled() else task.exception()
-            if isinstance(error, ProxyError):
-                relay.abort(error)
-
-        prefill.add_done_callback(on_done)
-        self._keep(prefill)
-
-    def _keep(self, task: asyncio.Task[Any]) -> None:
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        task.add_done_callback(_consume_result)
+        self._legs.start()
 
     async def aclose(self) -> None:
-        watchdog = [self._watchdog_task] if self._watchdog_task is not None else []
-        await _cancel(*self._background, *watchdog)
+        await self._legs.aclose()
 
+    async def handle(self, request: ClientRequest) -> ProxyResponse:
+        self._budget.on_request()
+        run = _Run(self._max_retries)
+        transfer = self._connector.begin(self._pick(), request.request_id)
+        answer: dict[str, Any] | None = None
+        while True:
+            try:
+                if self._connector.runs_concurrently(transfer):
+                    return await self._legs.concurrent(request, transfer)
+                if answer is None:
+                    answer = await self._legs.prefill(request, transfer)
+                return await self._legs.decode(request, transfer, answer)
+            except UpstreamError as error:
+                failure = error
+            except asyncio.CancelledError:
+                if answer is not None:  # the client left between the legs
+                    self._release.orphaned(request, transfer, answer, "client_disconnected")
+                raise
+            try:
+                transfer, answer = await self._recover(run, request, transfer, answer, failure)
+            except asyncio.CancelledError:
+                if answer is not None:  # the client left during a backoff
+                    self._release.orphaned(request, transfer, answer, "client_disconnected")
+                raise
 
-def _parse_prefill_answer(data: bytes) -> dict[str, Any]:
-    try:
-        answer = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise UpstreamProtocolError(
-            "prefill engine answered with invalid JSON", leg="prefill"
-        ) from exc
-    if not isinstance(answer, dict):
-        raise UpstreamProtocolError("prefill engine answered with a non-object", leg="prefill")
-    return answer
+    async def _recover(
+        self,
+        run: _Run,
+        request: ClientRequest,
+        transfer: Transfer,
+        answer: dict[str, Any] | None,
+        error: UpstreamError,
+    ) -> tuple[Transfer, dict[str, Any] | None]:
+        """The transfer (and reusable prefill answer) to try next; re-raises ``error`` when
+        it must not or cannot be retried."""
+        role = Role.PREFILL if error.leg == "prefill" else Role.DECODE
+        failed = transfer.decision.prefill if role is Role.PREFILL else transfer.decision.decode
+        reason = retry_reason(error)
+        if reason is None or not self._may_retry(run, error.leg, reason):
+            if answer is not None:
+                self._release.orphaned(request, transfer, answer, "decode_failed")
+            raise error
+        run.tried[role].add(failed.url)
+        run.last_failed[role] = failed.url
+        try:
+            decision = await self._repick(run, transfer.decision, role)
+        except NoEndpointAvailable:
+            if answer is not None:
+                self._release.orphaned(request, transfer, answer, "decode_failed")
+            raise error from None
+        if answer is not None:
+            if self._connector.decode_retry_reuses_prefill(transfer, reason):
+                return dataclasses.replace(transfer, decision=decision), answer
+            self._release.orphaned(request, transfer, answer, "decode_retried")
+        return self._connector.begin(decision, request.request_id), None
 
+    def _may_retry(self, run: _Run, leg: str, reason: str) -> bool:
+        if run.retries_left <= 0:
+            return False
+        if not self._budget.try_spend():
+            self._metrics.retry_budget_exhausted.labels(leg).inc()
+            return False
+        run.retries_left -= 1
+        self._metrics.count_retry(leg, reason)
+        return True
 
-def _whole_answer(upstream: UpstreamResponse, data: bytes, request_id: str) -> ProxyResponse:
-    if upstream.status >= 300:
-        raise UpstreamStatusError(
-            leg="decode", status=upstream.status, body=data, content_type=upstream.content_type
+    def _pick(self) -> PairDecision:
+        snapshot = self._registry.snapshot()
+        view = Snapshot(
+            prefill=self._usable(snapshot.prefill, ()), decode=self._usable(snapshot.decode, ())
         )
-    return ProxyResponse(upstream.status, upstream.content_type, request_id, body=data)
+        decision = self._scheduler.schedule(view)
+        self._outliers.on_pick(decision.prefill)
+        self._outliers.on_pick(decision.decode)
+        return decision
 
+    async def _repick(self, run: _Run, decision: PairDecision, role: Role) -> PairDecision:
+        """``decision`` with another instance of ``role``."""
+        candidates = self._usable(self._pool(role), run.tried[role])
+        if not candidates:
+            # Every instance of the role was tried: back off, then anyone but the last
+            # to fail (or it, if it is the only one).
+            await asyncio.sleep(self._backoff.delay(run.rounds, self._rng))
+            run.rounds += 1
+            run.tried[role].clear()
+            pool = self._pool(role)
+            candidates = self._usable(pool, {run.last_failed[role]}) or self._usable(pool, ())
+        if not candidates:
+            raise NoEndpointAvailable(f"no {role.value} instance is available")
+        if role is Role.PREFILL:
+            chosen = self._scheduler.schedule(Snapshot(candidates, (decision.decode,)))
+            new = PairDecision(chosen.prefill, decision.decode, chosen.prefill_dp_rank)
+            self._outliers.on_pick(new.prefill)
+        else:
+            chosen = self._scheduler.schedule(Snapshot((decision.prefill,), candidates))
+            new = PairDecision(decision.prefill, chosen.decode, decision.prefill_dp_rank)
+            self._outliers.on_pick(new.decode)
+        return new
 
-class _in_flight:
-    """Count a leg on its endpoint for exactly as long as the block runs."""
+    def _pool(self, role: Role) -> tuple[Endpoint, ...]:
+        snapshot = self._registry.snapshot()
+        return snapshot.prefill if role is Role.PREFILL else snapshot.decode
 
-    def __init__(self, endpoint: Endpoint) -> None:
-        self._endpoint = endpoint
-
-    def __enter__(self) -> None:
-        self._endpoint.in_flight += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self._endpoint.in_flight -= 1
-
-
-def _release(endpoint: Endpoint) -> None:
-    endpoint.in_flight -= 1
-
-
-def _consume_result(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.debug("background prefill ended with %r", task.exception())
-
-
-async def _cancel(*tasks: asyncio.Task[Any]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    def _usable(self, pool: tuple[Endpoint, ...], avoid: Collection[str]) -> tuple[Endpoint, ...]:
+        """``pool`` less ``avoid`` and the ejected; if only ejected ones are left, those
+        (an ejected instance is a better bet than a certain 503)."""
+        allowed = tuple(e for e in pool if e.url not in avoid) if avoid else pool
+        available = self._outliers.available
+        return tuple(e for e in allowed if available(e)) or allowed

@@ -73,5 +73,9 @@ class EndpointRegistry:
             )
         return self._snapshot
 
+    def invalidate(self) -> None:
+        """An endpoint's routability changed in place (its health): rebuild the snapshot."""
+        self._snapshot = None
+
     def _changed(self) -> None:
         self._snapshot = None

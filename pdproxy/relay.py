@@ -74,21 +74,49 @@ class StreamRelay:
         self._failure: ProxyError | None = None
         self._done = False
         self._tail = b""  # the stream's last bytes, where its end marker lies
+        self._first: bytes | None = None  # read by prime(), not yet handed out
         self._watchdog = watchdog
         self._clock = watchdog.clock
         self.last_activity = self._clock()
         watchdog.watch(self)
+
+    def when_closed(self, on_close: Callable[[], None]) -> None:
+        """Replace the callback ``close()`` runs (once the stream is handed on)."""
+        self._on_close = on_close
 
     def abort(self, failure: ProxyError) -> None:
         """Stop relaying because of ``failure`` (e.g. the concurrent prefill failed)."""
         self._failure = failure
         self._upstream.close()
 
+    async def prime(self) -> None:
+        """Wait for the stream's first bytes before the client's response starts.
+
+        Raises ``UpstreamError`` if the stream breaks, falls silent past the watchdog or
+        ends before any byte: nothing has reached the client, so the leg can be retried.
+        """
+        try:
+            chunk = await self._upstream.read_chunk()
+        except UpstreamError as exc:
+            if self._failure is not None:  # the watchdog (or a failed prefill) aborted it
+                raise self._failure from exc
+            raise
+        if not chunk:
+            raise self._failure or UpstreamProtocolError(
+                "decode engine ended the stream before its first chunk", leg="decode"
+            )
+        self.last_activity = self._clock()
+        self._tail = chunk[-_TAIL:]
+        self._first = chunk
+
     async def next_chunk(self) -> bytes | None:
         """The next bytes for the client, or None once the stream is over.
 
         A broken or cut upstream yields one last chunk: the terminal error event.
         """
+        if self._first is not None:
+            chunk, self._first = self._first, None
+            return chunk
         if self._done:
             return None
         try:

@@ -32,6 +32,37 @@ class EndpointState(str, enum.Enum):
     DRAINING = "draining"  # no new requests; in-flight ones finish
 
 
+class ProbeState(str, enum.Enum):
+    """What the active health checks say of an endpoint."""
+
+    UNKNOWN = "unknown"  # not answered yet: not routable
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # failed its probes: not routable until they pass again
+
+
+class BreakerState(str, enum.Enum):
+    """Passive health (outlier ejection) of an endpoint, as a circuit breaker."""
+
+    CLOSED = "closed"  # in rotation
+    OPEN = "open"  # ejected: no requests
+    HALF_OPEN = "half_open"  # ejection over: one trial request decides
+
+
+@dataclass(slots=True)
+class EndpointHealth:
+    """Active and passive health of one endpoint; mutated only on the event loop."""
+
+    probe: ProbeState = ProbeState.HEALTHY
+    probe_successes: int = 0  # consecutive
+    probe_failures: int = 0  # consecutive
+    probe_failed_while_ejected: bool = False
+    consecutive_failures: int = 0  # request legs that failed by the instance's fault
+    ejections: int = 0  # in a row, for the doubling; reset when it is back
+    ejections_total: int = 0
+    ejected_until: float | None = None  # monotonic; None = not ejected
+    trial_in_flight: bool = False  # the half-open trial request is running
+
+
 class Source(str, enum.Enum):
     """Where an endpoint came from; only registered ones expire."""
 
@@ -72,6 +103,7 @@ class Endpoint:
     in_flight: int = 0
     models: tuple[str, ...] = field(default_factory=tuple)
     engine_ids: tuple[str, ...] = field(default_factory=tuple)  # per DP rank (Mooncake)
+    health: EndpointHealth = field(default_factory=EndpointHealth)
 
     @property
     def url(self) -> str:
@@ -79,7 +111,9 @@ class Endpoint:
 
     @property
     def routable(self) -> bool:
-        return self.state is EndpointState.READY
+        """Admitted, not draining, and answering its health checks. (Ejection is a matter
+        of time and is checked per request, not here.)"""
+        return self.state is EndpointState.READY and self.health.probe is ProbeState.HEALTHY
 
     @property
     def dp_size(self) -> int:

@@ -19,10 +19,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pdproxy.api.errors import json_response
+from pdproxy.api.info import describe
 from pdproxy.api.state import AppState
 from pdproxy.config import TRANSFER_MODES, format_url, parse_host_port
 from pdproxy.errors import AdminError, ConfigError
-from pdproxy.types import Endpoint, EngineAddress, Role
+from pdproxy.types import EngineAddress, Role
 
 router = APIRouter(prefix="/instances")
 
@@ -80,7 +81,7 @@ async def add_instance(request: Request) -> Response:
         bootstrap_url=_bootstrap_url(body, host),
     )
     endpoint = await state.membership.add_admin(role, address)
-    return json_response({"status": "added", "instance": describe(endpoint)})
+    return json_response({"status": "added", "instance": describe(endpoint, state.outliers)})
 
 
 @router.post("/remove")
@@ -89,31 +90,14 @@ async def remove_instance(request: Request) -> Response:
     body = await _json_body(request)
     host, port = _address(body.get("instance"))
     endpoint = state.membership.drain(format_url("http", host, port))
-    return json_response({"status": "draining", "instance": describe(endpoint)})
+    return json_response({"status": "draining", "instance": describe(endpoint, state.outliers)})
 
 
 @router.get("")
 async def list_instances(request: Request) -> Response:
     state = _authorize(request)
-    return json_response({"instances": [describe(e) for e in state.registry.all()]})
-
-
-def describe(endpoint: Endpoint) -> dict[str, Any]:
-    address = endpoint.address
-    return {
-        "role": endpoint.role.value,
-        "address": address.host_port,
-        "url": address.url,
-        "state": endpoint.state.value,
-        "source": endpoint.source.value,
-        "in_flight": endpoint.in_flight,
-        "last_heartbeat": endpoint.last_seen,
-        "zmq_address": address.zmq_address,
-        "dp_size": endpoint.dp_size,
-        "tp_size": address.tp_size,
-        "transfer_mode": address.transfer_mode,
-        "models": list(endpoint.models),
-    }
+    instances = [describe(e, state.outliers) for e in state.registry.all()]
+    return json_response({"instances": instances})
 
 
 def _address(value: object) -> tuple[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,17 +19,23 @@ from pdproxy.api.errors import error_response
 from pdproxy.api.info import router as info_router
 from pdproxy.api.openai import GenerationEndpoint
 from pdproxy.api.state import AppState
-from pdproxy.config import ProxyConfig
+from pdproxy.config import ProxyConfig, RetryConfig
 from pdproxy.connectors import load_connector
 from pdproxy.discovery.zmq import ZmqRegistry
 from pdproxy.engine_client import EngineClient
 from pdproxy.errors import ProxyError
+from pdproxy.health import HealthChecker
+from pdproxy.kv_release import KVRelease
+from pdproxy.legs import Legs
 from pdproxy.membership import Membership
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
 from pdproxy.registry import EndpointRegistry
+from pdproxy.resilience.outlier import OutlierDetector
+from pdproxy.resilience.retry import RetryBudget
 from pdproxy.scheduling.round_robin import RoundRobinScheduler
 from pdproxy.types import ApiKind
+from pdproxy.verdicts import Verdicts
 
 
 def create_app(
@@ -36,8 +43,11 @@ def create_app(
     *,
     clock: Callable[[], float] = time.monotonic,
     metrics_registry: CollectorRegistry | None = None,
+    rng: random.Random | None = None,
 ) -> FastAPI:
-    state = _build_state(config, clock, metrics_registry or CollectorRegistry())
+    state = _build_state(
+        config, clock, metrics_registry or CollectorRegistry(), rng or random.Random()
+    )
     registry = (
         ZmqRegistry(config.registry, state.membership, state.metrics)
         if config.registry.port
@@ -48,9 +58,13 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Startup: open the upstream pools, admit the static instances, start the sweeper
         # and the registry socket, in that order, before the first request can arrive.
+        # The static instances' first health probes are awaited, so the proxy starts with
+        # a known fleet rather than routing to an instance that never answered.
         await state.client.start()
         state.orchestrator.start()
         state.membership.add_static()
+        await state.health.settle()
+        state.health.start()
         state.membership.start()
         if registry is not None:
             registry.start()
@@ -58,10 +72,13 @@ def create_app(
             yield
         finally:
             # Shutdown: uvicorn has stopped accepting and drained connections. Stop
-            # discovery, cancel background prefill legs, then close the pools.
+            # discovery and health checks, cancel background prefill legs and KV
+            # releases, then close the pools.
             if registry is not None:
                 await registry.aclose()
+            await state.health.aclose()
             await state.membership.aclose()
+            await state.release.aclose()
             await state.orchestrator.aclose()
             await state.client.aclose()
 
@@ -79,18 +96,38 @@ def create_app(
 
 
 def _build_state(
-    config: ProxyConfig, clock: Callable[[], float], metrics_registry: CollectorRegistry
+    config: ProxyConfig,
+    clock: Callable[[], float],
+    metrics_registry: CollectorRegistry,
+    rng: random.Random,
 ) -> AppState:
     registry = EndpointRegistry(clock)
     client = EngineClient(config.timeouts, config.pool)
     metrics = ProxyMetrics(metrics_registry)
     connector = load_connector(config)
+    outliers = OutlierDetector(config.outlier, clock)
+    health = HealthChecker(config.health, registry=registry, client=client, outliers=outliers)
+    release = KVRelease(
+        connector=connector, client=client, registry=registry, outliers=outliers, metrics=metrics
+    )
+    legs = Legs(
+        connector=connector,
+        client=client,
+        timeouts=config.timeouts,
+        verdicts=Verdicts(outliers, registry, metrics),
+        metrics=metrics,
+    )
     orchestrator = Orchestrator(
         registry=registry,
         scheduler=RoundRobinScheduler(),
         connector=connector,
-        client=client,
+        legs=legs,
+        outliers=outliers,
+        release=release,
+        retry=config.retry,
+        budget=_retry_budget(config.retry, clock),
         metrics=metrics,
+        rng=rng,
     )
     membership = Membership(
         config=config,
@@ -98,11 +135,23 @@ def _build_state(
         client=client,
         connector=connector,
         metrics=metrics,
+        health=health,
         clock=clock,
     )
-    state = AppState(config, registry, client, metrics, orchestrator, membership)
+    state = AppState(
+        config, registry, client, metrics, orchestrator, membership, health, outliers, release
+    )
     metrics.track_in_flight(lambda: state.in_flight)
     return state
+
+
+def _retry_budget(config: RetryConfig, clock: Callable[[], float]) -> RetryBudget:
+    return RetryBudget(
+        ratio=config.budget_ratio,
+        window=config.budget_window,
+        min_per_sec=config.budget_min_per_sec,
+        clock=clock,
+    )
 
 
 async def _proxy_error(request: Request, exc: Exception) -> Response:

@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdproxy.api.errors import json_response
 from pdproxy.api.state import AppState
 from pdproxy.errors import UpstreamError
-from pdproxy.types import Endpoint, Role
+from pdproxy.resilience.outlier import OutlierDetector
+from pdproxy.types import BreakerState, Endpoint, Role
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,9 @@ async def health() -> Response:
 
 @router.get("/status")
 async def status(request: Request) -> Response:
-    """Same keys as vLLM's disagg_proxy_demo.py, plus per-instance detail."""
-    endpoints = _state(request).registry.all()
+    """Same keys as vLLM's disagg_proxy_demo.py, plus per-instance health detail."""
+    state = _state(request)
+    endpoints = state.registry.all()
     prefill = [e.address.host_port for e in endpoints if e.role is Role.PREFILL]
     decode = [e.address.host_port for e in endpoints if e.role is Role.DECODE]
     return json_response(
@@ -43,8 +45,35 @@ async def status(request: Request) -> Response:
             "decode_node_count": len(decode),
             "prefill_nodes": prefill,
             "decode_nodes": decode,
+            "instances": [describe(e, state.outliers) for e in endpoints],
         }
     )
+
+
+def describe(endpoint: Endpoint, outliers: OutlierDetector) -> dict[str, Any]:
+    """One instance as ``/status`` and the admin API show it (never a secret)."""
+    address = endpoint.address
+    health = endpoint.health
+    breaker = outliers.state(endpoint)
+    return {
+        "role": endpoint.role.value,
+        "address": address.host_port,
+        "url": address.url,
+        "state": endpoint.state.value,
+        "source": endpoint.source.value,
+        "routable": endpoint.routable and breaker is not BreakerState.OPEN,
+        "health": health.probe.value,
+        "breaker": breaker.value,
+        "consecutive_failures": health.consecutive_failures,
+        "ejections": health.ejections_total,
+        "in_flight": endpoint.in_flight,
+        "last_heartbeat": endpoint.last_seen,
+        "zmq_address": address.zmq_address,
+        "dp_size": endpoint.dp_size,
+        "tp_size": address.tp_size,
+        "transfer_mode": address.transfer_mode,
+        "models": list(endpoint.models),
+    }
 
 
 @router.get("/v1/models")

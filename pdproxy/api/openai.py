@@ -19,7 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 from pdproxy.api.errors import JSON, error_body, internal_error
 from pdproxy.api.state import AppState
 from pdproxy.errors import BadRequest, PayloadTooLarge, ProxyError, UnsupportedMediaType
-from pdproxy.orchestrator import ClientRequest, ProxyResponse
+from pdproxy.exchange import ClientRequest, ProxyResponse
 from pdproxy.relay import SSE_DONE, StreamRelay
 from pdproxy.shaping import MESSAGES, MODEL, PROMPT
 from pdproxy.types import ApiKind

@@ -6,10 +6,13 @@ from dataclasses import dataclass
 
 from pdproxy.config import ProxyConfig
 from pdproxy.engine_client import EngineClient
+from pdproxy.health import HealthChecker
+from pdproxy.kv_release import KVRelease
 from pdproxy.membership import Membership
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
 from pdproxy.registry import EndpointRegistry
+from pdproxy.resilience.outlier import OutlierDetector
 
 
 @dataclass(slots=True)
@@ -20,4 +23,7 @@ class AppState:
     metrics: ProxyMetrics
     orchestrator: Orchestrator
     membership: Membership
+    health: HealthChecker
+    outliers: OutlierDetector
+    release: KVRelease
     in_flight: int = 0  # client requests being served

@@ -19,6 +19,9 @@ from pdproxy.errors import ConfigError
 from pdproxy.shaping import JSONBody, client_request_id, decode_body, prefill_body
 from pdproxy.types import EngineAddress, PairDecision
 
+# Retry reasons (pdproxy.resilience.retry) that prove the decode engine never saw the leg.
+NEVER_REACHED_DECODE = frozenset({"connect"})
+
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
@@ -38,6 +41,12 @@ class KVConnector(Protocol):
         """True when P and D are sent together (push / WRITE); False: P finishes first."""
         ...
 
+    def decode_retry_reuses_prefill(self, transfer: Transfer, reason: str) -> bool:
+        """May a decode that failed for ``reason`` be retried on another decode with this
+        prefill's answer? True only when the KV is certainly still where any decode can
+        read it; otherwise the orchestrator re-runs the pair with a fresh prefill."""
+        ...
+
     def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
         """The body for P: clamped to one token, with this connector's params."""
         ...
@@ -49,6 +58,14 @@ class KVConnector(Protocol):
         prefill_response: Mapping[str, Any] | None,
     ) -> JSONBody:
         """The body for D; ``prefill_response`` is P's JSON answer in serial mode, else None."""
+        ...
+
+    def release_body(
+        self, original: Mapping[str, Any], transfer: Transfer, prefill_response: Mapping[str, Any]
+    ) -> JSONBody | None:
+        """A decode-leg body that makes a decode engine release the KV of
+        ``prefill_response`` that no decode will read; None when there is nothing to
+        release or no way to."""
         ...
 
     def prefill_bootstrap_url(self, address: EngineAddress) -> str | None:
@@ -74,6 +91,12 @@ class SerialConnector:
     def runs_concurrently(self, transfer: Transfer) -> bool:
         return False
 
+    def decode_retry_reuses_prefill(self, transfer: Transfer, reason: str) -> bool:
+        # A pull: P holds the blocks until a decode has read them. Once a decode may have
+        # read them, P may have freed (and reused) them, and another decode would read
+        # garbage; so only a decode that was never reached leaves them certainly intact.
+        return reason in NEVER_REACHED_DECODE
+
     def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
         return prefill_body(original, None)
 
@@ -84,6 +107,11 @@ class SerialConnector:
         prefill_response: Mapping[str, Any] | None,
     ) -> JSONBody:
         return decode_body(original, None)
+
+    def release_body(
+        self, original: Mapping[str, Any], transfer: Transfer, prefill_response: Mapping[str, Any]
+    ) -> JSONBody | None:
+        return None
 
     def prefill_bootstrap_url(self, address: EngineAddress) -> str | None:
         return None

@@ -2,7 +2,8 @@
 
 P's bootstrap server (``/query``, port 8998 by default) lists its engine id per DP rank; a
 prefill is routable only once that is known. The decode names P's bootstrap address and
-the engine id of the rank P was sent to.
+the engine id of the rank P was sent to. The legs run together, so a failed leg re-runs
+the pair with a fresh transfer id.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class MooncakeConnector(SerialConnector):
 
     def runs_concurrently(self, transfer: Transfer) -> bool:
         return True
+
+    def decode_retry_reuses_prefill(self, transfer: Transfer, reason: str) -> bool:
+        return False
 
     def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
         params = {

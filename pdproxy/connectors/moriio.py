@@ -4,7 +4,9 @@ Both legs carry the request id that embeds both peers' ``zmq_address``
 (``host:IP,handshake:PORT,notify:PORT``) and one shared ``transfer_id``; a decode without
 the prefill's ``transfer_id`` can never match it. With several DP ranks on P, the chosen
 rank goes to P as ``X-data-parallel-rank`` (added by the orchestrator) and to D as
-``remote_dp_rank``, or the notify lands on rank 0.
+``remote_dp_rank``, or the notify lands on rank 0. A failed READ decode that never reached
+its engine is retried on another decode with the same transfer (P still holds the blocks);
+a WRITE transfer was pushed to the failed decode, so the pair is re-run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class MoriioConnector(SerialConnector):
     def runs_concurrently(self, transfer: Transfer) -> bool:
         mode = transfer.decision.prefill.address.transfer_mode or self._default_mode
         return mode == "WRITE"
+
+    def decode_retry_reuses_prefill(self, transfer: Transfer, reason: str) -> bool:
+        if self.runs_concurrently(transfer):
+            return False
+        return super().decode_retry_reuses_prefill(transfer, reason)
 
     def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
         decode = transfer.decision.decode

@@ -1,0 +1,99 @@
+"""Active health checks: ``GET /health`` on every instance, whatever its source.
+
+Every ``--health-check-interval-secs`` all instances are probed at once on the probe pool
+(never the legs' pool), each within ``--health-check-timeout-secs``; ``resilience.probes``
+turns the results into verdicts. A new instance is probed as soon as it is admitted and
+is routable only once it answers. Active and passive health meet here: an instance whose
+probes failed while it was ejected and that answers again has come back (a restart), so
+its trial request is let through at once; one that recovers from unhealthy starts with a
+clean record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdproxy.config import HealthConfig
+from pdproxy.engine_client import EngineClient
+from pdproxy.registry import EndpointRegistry
+from pdproxy.resilience.outlier import OutlierDetector
+from pdproxy.resilience.probes import apply_probe
+from pdproxy.types import Endpoint, ProbeState
+
+logger = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        config: HealthConfig,
+        *,
+        registry: EndpointRegistry,
+        client: EngineClient,
+        outliers: OutlierDetector,
+    ) -> None:
+        self.config = config
+        self._registry = registry
+        self._client = client
+        self._outliers = outliers
+        self._task: asyncio.Task[None] | None = None
+        self._pending: dict[str, asyncio.Task[None]] = {}
+
+    def start(self) -> None:
+        if self.config.enabled:
+            self._task = asyncio.create_task(self._run())
+
+    async def aclose(self) -> None:
+        tasks = [t for t in (self._task, *self._pending.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def admitted(self, endpoint: Endpoint) -> None:
+        """A new instance: not routable until its first probe answers, which starts now."""
+        if not self.config.enabled:
+            return
+        endpoint.health.probe = ProbeState.UNKNOWN
+        if endpoint.url not in self._pending:
+            task = asyncio.create_task(self.check(endpoint))
+            self._pending[endpoint.url] = task
+            task.add_done_callback(lambda _: self._pending.pop(endpoint.url, None))
+
+    async def settle(self) -> None:
+        """Wait for the first probes of the instances admitted so far (start-up)."""
+        await asyncio.gather(*self._pending.values(), return_exceptions=True)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(e) for e in self._registry.all()))
+
+    async def check(self, endpoint: Endpoint) -> None:
+        ok = await self._client.probe(endpoint.url + self.config.endpoint, self.config.timeout)
+        if self._registry.get(endpoint.url) is endpoint:  # not replaced or removed meanwhile
+            self.record(endpoint, ok)
+
+    def record(self, endpoint: Endpoint, ok: bool) -> None:
+        health = endpoint.health
+        if health.ejected_until is not None:
+            if not ok:
+                health.probe_failed_while_ejected = True
+            elif health.probe_failed_while_ejected:
+                health.probe_failed_while_ejected = False
+                self._outliers.end_ejection(endpoint)
+        before = health.probe
+        after = apply_probe(health, ok, self.config)
+        if after is None:
+            return
+        if before is ProbeState.UNHEALTHY:
+            self._outliers.reset(endpoint)
+        self._registry.invalidate()
+        log = logger.info if after is ProbeState.HEALTHY else logger.warning
+        log("%s %s is %s (health checks)", endpoint.role.value, endpoint.url, after.value)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval)
+            try:
+                await self.check_all()
+            except Exception:  # the checker must outlive any one bad probe
+                logger.exception("health check round failed")

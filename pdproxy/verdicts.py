@@ -1,0 +1,59 @@
+"""Leg outcomes → passive health: each leg's result is judged once, here.
+
+A failure that is the instance's fault (connect, timeout, reset, 5xx) counts toward its
+ejection; an engine's 429 or 408 is neutral; any other answer, 4xx included, proves the
+engine alive and counts as a success. A leg the client abandoned gives no verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pdproxy.errors import ProxyError
+from pdproxy.metrics import ProxyMetrics
+from pdproxy.registry import EndpointRegistry
+from pdproxy.resilience.outlier import OutlierDetector
+from pdproxy.resilience.retry import counts_against, retry_reason
+from pdproxy.types import Endpoint, Role
+
+logger = logging.getLogger(__name__)
+
+
+class Verdicts:
+    def __init__(
+        self, outliers: OutlierDetector, registry: EndpointRegistry, metrics: ProxyMetrics
+    ) -> None:
+        self.outliers = outliers
+        self._registry = registry
+        self._metrics = metrics
+
+    def success(self, endpoint: Endpoint) -> None:
+        self.outliers.on_success(endpoint)
+
+    def abandoned(self, endpoint: Endpoint) -> None:
+        self.outliers.on_abandoned(endpoint)
+
+    def judge(self, endpoint: Endpoint, error: ProxyError) -> str | None:
+        """Record a failed leg; returns its retry reason (None: not retry-safe)."""
+        reason = retry_reason(error)
+        if reason is None:
+            self.success(endpoint)
+        elif counts_against(reason):
+            self.failure(endpoint, reason)
+        else:
+            self.abandoned(endpoint)
+        return reason
+
+    def failure(self, endpoint: Endpoint, reason: str) -> None:
+        snapshot = self._registry.snapshot()
+        peers = snapshot.prefill if endpoint.role is Role.PREFILL else snapshot.decode
+        if self.outliers.on_failure(endpoint, peers):
+            self._metrics.ejections.labels(endpoint.role.value, endpoint.url).inc()
+            logger.warning(
+                "ejected %s %s after %d failures (last: %s), ejection #%d",
+                endpoint.role.value,
+                endpoint.url,
+                endpoint.health.consecutive_failures,
+                reason,
+                endpoint.health.ejections,
+            )
