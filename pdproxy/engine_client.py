@@ -212,6 +212,13 @@ class EngineClient:
                     raise UpstreamError(f"{url} answered HTTP {response.status}", leg="probe")
                 return orjson.loads(await response.read())
 
+    def connections_in_use(self) -> int:
+        """Upstream connections currently held by a leg (pooled idle ones excluded); 0 when
+        nothing is in flight, or a leg leaked its response. aiohttp has no public count."""
+        if self._session is None:
+            return 0
+        return len(self._session.connector._acquired)  # type: ignore[union-attr]
+
     @property
     def read_timeout(self) -> float:
         return self._timeouts.read

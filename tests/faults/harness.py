@@ -1,0 +1,208 @@
+"""The fault matrix's fleet and its invariants.
+
+A 2P2D fleet of simulated engines (NIXL, strict contract) behind a real pdproxy under
+uvicorn, all on this event loop, with short timeouts so a fault shows within a second.
+Every scenario drives traffic with ``drive`` and ends with ``assert_settled``: every
+request ended with a complete answer or a correct OpenAI error, none outlived its bound,
+no 200 was empty, and pdproxy's and every engine's in-flight counts are back to 0 with no
+upstream connection or task left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+
+from engines.sim import SimConfig, running_sim
+from pdproxy.config import HealthConfig, OutlierConfig, ProxyConfig, RetryConfig, Timeouts
+from pdproxy.types import EngineAddress
+from tests.servers import RunningProxy, running_proxy
+
+MODEL = "sim-model"
+PROMPT = "the fault matrix asks every engine to fail in every way it can"
+
+# Short enough that every fault resolves within a second or two, long enough for a loaded
+# two-core machine never to trip them on a healthy engine.
+HEALTH = HealthConfig(interval=0.25, timeout=0.5, failure_threshold=2, success_threshold=1)
+TIMEOUTS = Timeouts(connect=1.0, read=2.0, prefill=1.0, decode_headers=1.0)
+OUTLIER = OutlierConfig(base_ejection=1.0, max_ejection=4.0)
+RETRY = RetryConfig(initial_backoff=0.02, max_backoff=0.1)
+REQUEST_BOUND_S = 8.0  # no request may take longer, whatever the fault
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: int
+    body: bytes
+    stream: bool
+    seconds: float
+    error: str | None = None  # the error type, if the request ended in one
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+
+@dataclasses.dataclass
+class Fleet:
+    proxy: RunningProxy
+    prefills: list[Any]
+    decodes: list[Any]
+
+    @property
+    def engines(self) -> list[Any]:
+        return self.prefills + self.decodes
+
+    @property
+    def state(self):
+        return self.proxy.state
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.state.metrics.registry.get_sample_value(name, labels)
+        return value or 0.0
+
+    def instance(self, sim) -> Any:
+        return self.state.registry.get(sim.url)
+
+    def breaker(self, sim) -> str:
+        return self.state.outliers.state(self.instance(sim)).value
+
+
+@contextlib.asynccontextmanager
+async def fleet(
+    *, n_prefill: int = 2, n_decode: int = 2, proxy: dict[str, Any] | None = None, **sim: Any
+) -> AsyncIterator[Fleet]:
+    common = dict(connector="nixl", model=MODEL, strict=True, **sim)
+    async with contextlib.AsyncExitStack() as stack:
+        prefills = [
+            await stack.enter_async_context(running_sim(SimConfig(role="prefill", **common)))
+            for _ in range(n_prefill)
+        ]
+        decodes = [
+            await stack.enter_async_context(running_sim(SimConfig(role="decode", **common)))
+            for _ in range(n_decode)
+        ]
+        settings: dict[str, Any] = dict(
+            timeouts=TIMEOUTS, health=HEALTH, outlier=OUTLIER, retry=RETRY
+        )
+        settings.update(proxy or {})
+        config = ProxyConfig(
+            prefill=tuple(EngineAddress(url=s.url) for s in prefills),
+            decode=tuple(EngineAddress(url=s.url) for s in decodes),
+            kv_connector="nixl",
+            **settings,
+        )
+        running = await stack.enter_async_context(running_proxy(config))
+        yield Fleet(running, prefills, decodes)
+
+
+def body(i: int, *, stream: bool, chat: bool, max_tokens: int = 6) -> dict[str, Any]:
+    if chat:
+        return {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"{PROMPT} {i}"}],
+            "max_completion_tokens": max_tokens,
+            "stream": stream,
+        }
+    return {"model": MODEL, "prompt": f"{PROMPT} {i}", "max_tokens": max_tokens, "stream": stream}
+
+
+async def request(
+    session: aiohttp.ClientSession, url: str, i: int, *, stream: bool, chat: bool = False, **kw
+) -> Outcome:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    started = time.monotonic()
+    async with session.post(url + path, json=body(i, stream=stream, chat=chat, **kw)) as r:
+        raw = await r.read()
+        status = r.status
+    outcome = Outcome(status, raw, stream, time.monotonic() - started)
+    outcome.error = _check_answer(outcome)
+    return outcome
+
+
+def _check_answer(outcome: Outcome) -> str | None:
+    """The error type the answer carries (None for a complete answer); raises
+    AssertionError for an answer that is neither complete nor a correct error."""
+    assert outcome.body, f"HTTP {outcome.status} with an empty body"
+    if outcome.status != 200:
+        error = orjson.loads(outcome.body)["error"]
+        assert {"message", "type", "code"} <= set(error), error
+        return str(error["type"])
+    if not outcome.stream:
+        answer = orjson.loads(outcome.body)
+        assert answer["choices"], answer
+        return None
+    events = [e[6:] for e in outcome.body.split(b"\n\n") if e.startswith(b"data: ")]
+    assert events and events[-1] == b"[DONE]", outcome.body[-200:]
+    payloads = [orjson.loads(e) for e in events[:-1]]
+    errors = [p["error"] for p in payloads if "error" in p]
+    assert len(errors) <= 1 and (not errors or "error" in payloads[-1]), payloads
+    if errors:
+        return str(errors[0]["type"])
+    assert any(p.get("choices") for p in payloads), payloads
+    return None
+
+
+async def drive(
+    f: Fleet, n: int = 16, *, concurrency: int = 4, start: int = 0, **kw: Any
+) -> list[Outcome]:
+    """``n`` requests, ``concurrency`` at a time, alternating stream/whole and completions/
+    chat unless ``stream``/``chat`` are given; each bounded by ``REQUEST_BOUND_S``."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(session: aiohttp.ClientSession, i: int) -> Outcome:
+        opts = {"stream": i % 2 == 0, "chat": i % 4 >= 2, **kw}
+        async with gate:
+            return await asyncio.wait_for(request(session, f.proxy.url, i, **opts), REQUEST_BOUND_S)
+
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(one(session, start + i) for i in range(n))))
+
+
+async def assert_settled(f: Fleet, *, tasks_before: int | None = None) -> None:
+    """Nothing in flight anywhere, and nothing left behind (bounded wait)."""
+    state = f.state
+
+    def settled() -> bool:
+        engines_idle = all(
+            s.gauges().running == 0
+            and s.gauges().waiting == 0
+            and all(r.outcome != "pending" for r in s.requests)
+            for s in f.engines
+        )
+        return (
+            state.in_flight == 0
+            and all(e.in_flight == 0 for e in state.registry.all())
+            and state.client.connections_in_use() == 0
+            and engines_idle
+        )
+
+    await wait_until(settled, timeout=5, what="in-flight counts back to 0")
+    if tasks_before is not None:
+        await wait_until(
+            lambda: len(asyncio.all_tasks()) <= tasks_before,
+            timeout=5,
+            what=f"no leaked tasks ({len(asyncio.all_tasks())} > {tasks_before})",
+        )
+
+
+async def wait_until(predicate, *, timeout: float, what: str, interval: float = 0.02) -> float:
+    """Seconds until ``predicate()`` held; fails with ``what`` after ``timeout``."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if predicate():
+            return time.monotonic() - started
+        await asyncio.sleep(interval)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def all_ok(outcomes: list[Outcome]) -> None:
+    bad = [(o.status, o.error, o.body[:200]) for o in outcomes if not o.ok]
+    assert not bad, bad
