@@ -160,7 +160,7 @@ class Membership:
         for endpoint in self._registry.all():
             if endpoint.state is EndpointState.PENDING:
                 self._probe_in_background(endpoint)
-        self._update_gauges()
+        self.refresh_gauges()
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -254,7 +254,8 @@ class Membership:
                 self._registry.remove(endpoint.url)
                 logger.info("drained and removed %s", endpoint.url)
 
-    def _update_gauges(self) -> None:
+    def refresh_gauges(self) -> None:
+        """Per-role counts and per-instance health series; also run at each scrape."""
         counts: dict[tuple[str, str], int] = {}
         for endpoint in self._registry.all():
             key = (endpoint.role.value, endpoint.state.value)

@@ -103,6 +103,6 @@ async def _models_of(state: AppState, endpoint: Endpoint) -> list[dict[str, Any]
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(
-        generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
-    )
+    state = _state(request)
+    state.membership.refresh_gauges()  # health and breaker state as of this scrape
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
