@@ -12,12 +12,16 @@ Three formats, all decoded into one ``Registration``:
 ``{"type": "HELLO"}`` is a greeting and decodes to ``None``. Anything else raises
 ``RegistryMessageError``. A message is a full statement of the instance, never a delta, so
 applying it twice is harmless (engines re-send every 3 s).
+
+A remote peer controls every byte, so ``decode`` raises nothing but
+``RegistryMessageError`` for any input: each field's type is checked before the value is
+hashed, looked up or parsed, and error messages never echo an arbitrary value.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 import msgpack
@@ -26,7 +30,10 @@ from pdproxy.config import TRANSFER_MODES, format_url, parse_host_port
 from pdproxy.errors import ConfigError, RegistryMessageError
 from pdproxy.types import EngineAddress, Role
 
-_ROLES = {"P": Role.PREFILL, "D": Role.DECODE}
+_ROLES: dict[str, Role] = {"P": Role.PREFILL, "D": Role.DECODE}
+_MAX_TEXT = 512  # longest accepted string field
+
+Message = dict[object, object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +44,27 @@ class Registration:
 
 
 def decode(payload: bytes, max_bytes: int) -> Registration | None:
-    """Decode and validate one registration message; ``None`` for a HELLO."""
+    """Decode and validate one registration message; ``None`` for a HELLO.
+
+    Raises only ``RegistryMessageError``, whatever ``payload`` holds.
+    """
+    data = _unpack(payload, max_bytes)
+    kind = data.get("type")
+    if not isinstance(kind, str):
+        raise RegistryMessageError(f"message type must be a string, not {_kind(kind)}")
+    if kind == "HELLO":
+        return None
+    role = _ROLES.get(kind)
+    if role is not None:
+        return _decode_current(data, role)
+    if kind == "register":
+        return _decode_legacy(data)
+    raise RegistryMessageError(f"unknown message type {kind[:32]!r}")
+
+
+def _unpack(payload: bytes, max_bytes: int) -> Message:
+    if not payload:
+        raise RegistryMessageError("empty message")
     if len(payload) > max_bytes:
         raise RegistryMessageError(f"message of {len(payload)} bytes exceeds {max_bytes}")
     try:
@@ -45,18 +72,11 @@ def decode(payload: bytes, max_bytes: int) -> Registration | None:
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise RegistryMessageError("not a msgpack message") from exc
     if not isinstance(data, dict):
-        raise RegistryMessageError("message is not a map")
-    kind = data.get("type")
-    if kind == "HELLO":
-        return None
-    if kind in _ROLES:
-        return _decode_current(data, _ROLES[kind])
-    if kind == "register":
-        return _decode_legacy(data)
-    raise RegistryMessageError(f"unknown message type {kind!r}")
+        raise RegistryMessageError(f"message is not a map but {_kind(data)}")
+    return data
 
 
-def _decode_current(data: dict[str, Any], role: Role) -> Registration:
+def _decode_current(data: Message, role: Role) -> Registration:
     http_address = _host_port(data.get("http_address"), "http_address")
     zmq_address = _text(data.get("zmq_address"), "zmq_address")
     moriio = any(k in data for k in ("dp_size", "tp_size", "transfer_mode"))
@@ -70,19 +90,16 @@ def _decode_current(data: dict[str, Any], role: Role) -> Registration:
     return Registration(role, address, "moriio" if moriio else "p2p")
 
 
-def _decode_legacy(data: dict[str, Any]) -> Registration:
-    role = _ROLES.get(data.get("role"))  # type: ignore[arg-type]
+def _decode_legacy(data: Message) -> Registration:
+    role_name = data.get("role")
+    role = _ROLES.get(role_name) if isinstance(role_name, str) else None
     if role is None:
         raise RegistryMessageError("legacy register message needs role P or D")
-    url = _text(data.get("request_address"), "request_address")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-        raise RegistryMessageError("request_address must be http://host:port/...")
-    host, port = parts.hostname, parts.port
+    scheme, host, port = _request_address(data.get("request_address"))
     handshake = _port(data.get("handshake_port"), "handshake_port")
     notify = _port(data.get("notify_port"), "notify_port")
     address = EngineAddress(
-        url=format_url(parts.scheme, host, port),
+        url=format_url(scheme, host, port),
         zmq_address=f"host:{host},handshake:{handshake},notify:{notify}",
         dp_size=_size(data.get("dp_size", 1), "dp_size"),
         tp_size=_size(data.get("tp_size", 1), "tp_size"),
@@ -91,17 +108,38 @@ def _decode_legacy(data: dict[str, Any]) -> Registration:
     return Registration(role, address, "moriio-legacy")
 
 
+def _kind(value: object) -> str:
+    """Names a value's type for an error message; never the value a peer chose."""
+    return type(value).__name__
+
+
 def _text(value: object, name: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > 512:
+    if not isinstance(value, str) or not value or len(value) > _MAX_TEXT:
         raise RegistryMessageError(f"{name} must be a non-empty string")
     return value
 
 
 def _host_port(value: object, name: str) -> tuple[str, int]:
+    text = _text(value, name)
     try:
-        return parse_host_port(_text(value, name))
+        return parse_host_port(text)
     except ConfigError as exc:
         raise RegistryMessageError(f"{name}: {exc}") from exc
+    except ValueError as exc:  # int() of a digit str.isdigit() allows, such as "²"
+        raise RegistryMessageError(f"{name} must be host:port") from exc
+
+
+def _request_address(value: object) -> tuple[str, str, int]:
+    """``http(s)://host:port/...`` split into scheme, host and a port in 1-65535."""
+    url = _text(value, "request_address")
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port  # .port raises on a bad or huge port
+    except ValueError as exc:
+        raise RegistryMessageError("request_address must be http://host:port/...") from exc
+    if parts.scheme not in ("http", "https") or not host or port is None or port < 1:
+        raise RegistryMessageError("request_address must be http://host:port/...")
+    return parts.scheme, host, port
 
 
 def _size(value: object, name: str) -> int:
@@ -112,10 +150,19 @@ def _size(value: object, name: str) -> int:
 
 def _port(value: object, name: str) -> int:
     if isinstance(value, str) and value.isdigit():
-        value = int(value)
+        value = _digits(value, name)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
         raise RegistryMessageError(f"{name} must be a port number")
     return value
+
+
+def _digits(text: str, name: str) -> int:
+    # str.isdigit() is also true for "²", which int() rejects, and int() refuses more
+    # than 4300 digits; both are a peer's choice.
+    if len(text) <= _MAX_TEXT:
+        with contextlib.suppress(ValueError):
+            return int(text)
+    raise RegistryMessageError(f"{name} must be a port number")
 
 
 def _mode(value: object) -> str:

@@ -1,8 +1,15 @@
 """The ZMQ registry socket: vLLM engines' heartbeats in, registry upserts out.
 
 A ROUTER bound on the event loop (``zmq.asyncio``, no threads). Engines connect a DEALER
-and send one msgpack dict every 3 s; nothing is ever sent back. A bad message is counted
-and logged (rate-limited) and never stops the loop. The only module that imports zmq.
+and send one msgpack dict every 3 s; nothing is ever sent back. The only module that
+imports zmq.
+
+A bad message (a frame count other than 2, an empty frame, a payload that is oversized or
+does not decode) is counted as ``outcome="malformed"``, logged rate-limited, and dropped; a
+frame past ``MAXMSGSIZE`` never arrives, libzmq closes that peer's connection instead. An
+unexpected exception from receiving or handling is logged with its traceback, counted as
+``outcome="error"``, and the loop resumes after a bounded backoff: discovery never stops
+silently. Only cancellation (``aclose``) ends it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pdproxy.metrics import ProxyMetrics
 logger = logging.getLogger(__name__)
 
 _RECV_HWM = 10_000
+_BACKOFF_MIN, _BACKOFF_MAX = 0.1, 5.0  # seconds between restarts after unexpected errors
 
 
 class ZmqRegistry:
@@ -52,7 +60,8 @@ class ZmqRegistry:
         sock.bind(f"tcp://{self._config.host}:{self._config.port}")
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket = sock
-        self._task = asyncio.create_task(self._serve(sock))
+        self._task = asyncio.create_task(self._serve(sock), name="pdproxy-zmq-registry")
+        self._task.add_done_callback(_report_end)
         logger.info("registry listening on %s", self.endpoint)
 
     async def aclose(self) -> None:
@@ -64,15 +73,31 @@ class ZmqRegistry:
         self._context.term()
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        """Receive forever; survive any ``Exception``, so one bad input cannot end discovery."""
+        backoff = _BACKOFF_MIN
         while True:
-            frames = await sock.recv_multipart()
-            outcome = self._handle(frames)
-            self._metrics.registry_messages.labels(outcome).inc()
+            try:
+                await self._receive_one(sock)
+            except Exception:
+                logger.exception("registry: receive loop failed; resuming in %.1f s", backoff)
+                self._metrics.registry_messages.labels("error").inc()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+            else:
+                backoff = _BACKOFF_MIN
+
+    async def _receive_one(self, sock: zmq.asyncio.Socket) -> None:
+        frames = await sock.recv_multipart()
+        outcome = self._handle(frames)
+        self._metrics.registry_messages.labels(outcome).inc()
 
     def _handle(self, frames: list[bytes]) -> str:
         # ROUTER prepends the peer identity: a DEALER's single-frame message arrives as 2.
         if len(frames) != 2:
             self._log.warning("frames", "registry: dropped a message of %d frames", len(frames))
+            return "malformed"
+        if not frames[1]:
+            self._log.warning("empty", "registry: dropped an empty message")
             return "malformed"
         try:
             registration = decode(frames[1], self._config.max_message_bytes)
@@ -86,3 +111,9 @@ class ZmqRegistry:
         except Exception:  # one bad entry must not stop registration for everyone
             logger.exception("registry: failed to apply a registration")
             return "error"
+
+
+def _report_end(task: asyncio.Task[None]) -> None:
+    """The serve loop only ends by cancellation; anything else must not pass silently."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("registry: serve loop stopped", exc_info=task.exception())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 
 import aiohttp
@@ -280,3 +281,140 @@ async def test_restarted_engine_with_same_identity_is_heard():
                     proxy.state.metrics.registry_messages.labels("accepted")._value.get() > before
                 )
             )
+
+
+# -- robustness: no message stops the registry (issue item 0) ---------------------------
+
+_FIELDS = ("type", "role", "http_address", "zmq_address", "dp_size", "tp_size")
+_FIELDS += ("transfer_mode", "request_address", "handshake_port", "notify_port")
+_NEAR_MISSES = ("P", "D", "HELLO", "register", "READ", "", "h:1", "h:\u00b2", "http://h:0/")
+
+
+def _value(rng: random.Random, depth: int = 0) -> object:
+    """A random msgpack-able structure: every scalar type, nested lists and maps."""
+    kind = rng.randrange(10 if depth < 3 else 8)
+    scalars = (
+        None,
+        rng.random() < 0.5,
+        rng.randint(-(2**63), 2**64 - 1),
+        rng.uniform(-1e300, 1e300),
+        "".join(chr(rng.randrange(0x20, 0x3000)) for _ in range(rng.randrange(8))),
+        rng.randbytes(rng.randrange(8)),
+        rng.choice(_NEAR_MISSES),
+        msgpack.ExtType(rng.randrange(128), rng.randbytes(rng.randrange(4))),
+    )
+    if kind < len(scalars):
+        return scalars[kind]
+    if kind == 8:
+        return [_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    keys = (rng.choice(_FIELDS), rng.randrange(100), rng.randbytes(3), None)
+    return {rng.choice(keys): _value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def _malformed(rng: random.Random) -> list[bytes]:
+    """The frames of one message that must be refused, built so by construction."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        return [b""]
+    if kind == 1:  # arrives with 3-5 frames counting the identity
+        return [rng.randbytes(rng.randrange(1, 16)) for _ in range(rng.randint(2, 4))]
+    if kind == 2:  # raw bytes that do not start a msgpack map
+        first = rng.choice(
+            [b for b in range(256) if not 0x80 <= b <= 0x8F and b not in (0xDE, 0xDF)]
+        )
+        return [bytes([first]) + rng.randbytes(rng.randrange(64))]
+    if kind == 3:
+        return [msgpack.dumps([_value(rng)])]  # not a map
+    message = {rng.choice(_FIELDS): _value(rng) for _ in range(rng.randrange(6))}
+    if kind == 4:  # a type that is not one of the four, any other field
+        message["type"] = rng.choice((["P"], {"P": 1}, b"P", 1, None, "p", "HELLO "))
+    else:  # a registration whose address field is broken
+        message["type"] = rng.choice(("P", "D", "register"))
+        message["http_address" if message["type"] != "register" else "request_address"] = (
+            rng.choice(("nohost", "h:99999", "h:\u00b2", "", ["h:1"], 7, "http://[::1/"))
+        )
+    return [msgpack.dumps(message)]
+
+
+async def test_thousands_of_generated_malformed_messages_then_a_valid_one(caplog):
+    """Regression for issue item 0: ``{"type": ["P"]}`` killed the serve loop silently."""
+    caplog.set_level(logging.WARNING, logger="pdproxy")
+    rng = random.Random(20240601)
+    messages = [_malformed(rng) for _ in range(3000)]
+    async with (
+        registry_proxy() as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        dealer(endpoint) as sock,
+        dealer(endpoint) as oversized,
+    ):
+        counter = proxy.state.metrics.registry_messages
+        before = counter.labels("malformed")._value.get()
+        await oversized.send(b"x" * (64 * 1024 + 1))  # past MAXMSGSIZE: libzmq drops the peer
+        for frames in messages:
+            await sock.send_multipart(frames)
+        await sock.send(p2p("P", p))
+        registry = proxy.state.registry
+        await _until(lambda: registry.get(p.url) is not None, timeout=10)
+        assert counter.labels("malformed")._value.get() - before == len(messages)
+        assert counter.labels("error")._value.get() == 0
+        warnings = [r for r in caplog.records if "registry" in r.getMessage()]
+        assert 1 <= len(warnings) <= 5  # rate-limited, not one line per bad message
+
+
+def _fail_once(method):
+    calls = []
+
+    def wrapper(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return method(*args)
+
+    return wrapper
+
+
+async def test_heartbeat_exception_is_logged_and_next_message_is_served(caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, logger="pdproxy")
+    async with (
+        registry_proxy() as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        dealer(endpoint) as sock,
+    ):
+        membership = proxy.state.membership
+        monkeypatch.setattr(membership, "heartbeat", _fail_once(membership.heartbeat))
+        await sock.send(p2p("P", p))
+        await sock.send(p2p("P", p))
+        await _until(lambda: proxy.state.registry.get(p.url) is not None)
+        assert proxy.state.metrics.registry_messages.labels("error")._value.get() == 1
+        (failure,) = [r for r in caplog.records if r.exc_info]
+        assert "injected failure" in str(failure.exc_info[1])
+
+
+async def test_serve_loop_survives_an_escaping_exception_and_stops_promptly(caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, logger="pdproxy")
+    async with (
+        registry_proxy() as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        dealer(endpoint) as sock,
+    ):
+        zmq_registry = proxy.app.state.zmq_registry
+        monkeypatch.setattr(zmq_registry, "_handle", _fail_once(zmq_registry._handle))
+        errors = proxy.state.metrics.registry_messages.labels("error")
+        await sock.send(p2p("P", p))  # lost: _handle raises past its own guards
+        await sock.send(p2p("P", p))  # served after the 0.1 s backoff
+        await _until(lambda: proxy.state.registry.get(p.url) is not None)
+        assert errors._value.get() == 1
+        (failure,) = [r for r in caplog.records if r.exc_info]
+        assert "receive loop failed" in failure.getMessage()
+        # now fail every message: the backoff doubles (0.1, 0.2, 0.4, 0.8 s) ...
+        monkeypatch.setattr(zmq_registry, "_handle", _always_raise)
+        for _ in range(5):
+            await sock.send(p2p("P", p))
+        await _until(lambda: errors._value.get() == 6, timeout=5)
+        stopping = time.monotonic()
+    # ... and shutdown cancels the 1.6 s sleep at once
+    assert time.monotonic() - stopping < 1.0
+
+
+def _always_raise(frames):
+    raise RuntimeError("injected failure")

@@ -1,5 +1,9 @@
+from __future__ import annotations
+
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdproxy.discovery.messages import decode
 from pdproxy.errors import RegistryMessageError
@@ -133,3 +137,141 @@ def test_oversized_message_raises():
     big = _enc({"type": "P", "http_address": "h:1", "zmq_address": "x" * 100})
     with pytest.raises(RegistryMessageError):
         decode(big, 64)
+
+
+# -- robustness: decode() raises RegistryMessageError and nothing else -------------------
+
+_FIELDS = (
+    "type",
+    "role",
+    "http_address",
+    "zmq_address",
+    "dp_size",
+    "tp_size",
+    "transfer_mode",
+    "request_address",
+    "handshake_port",
+    "notify_port",
+)
+_NEAR_MISSES = (
+    *("P", "D", "HELLO", "register", "READ", "write", "", "x" * 600, "²", "٨٠", "9" * 5000),
+    *("h:1", "127.0.0.1:8000", "[::1]:80", "[::1:80", "h:99999", "h:²", "h:", ":1"),
+    *("http://h:1/v1", "http://h:99999/", "http://[::1/", "http://h:x/", "ftp://h:1/"),
+)
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),  # msgpack's whole int range
+    st.floats(),
+    st.text(max_size=12),
+    st.binary(max_size=12),
+    st.sampled_from(_NEAR_MISSES),
+    st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=12)),
+    st.builds(msgpack.Timestamp, st.integers(0, 2**34 - 1), st.integers(0, 999_999_999)),
+)
+_keys = st.one_of(
+    st.sampled_from(_FIELDS),
+    st.text(max_size=6),
+    st.binary(max_size=6),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.none(),
+    st.booleans(),
+    st.floats(allow_nan=False),
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_keys, inner, max_size=4)),
+    max_leaves=8,
+)
+_field = st.one_of(  # one level of nesting is enough to reach every type check
+    st.sampled_from(_NEAR_MISSES),
+    _scalars,
+    st.lists(_scalars, max_size=3),
+    st.dictionaries(_keys, _scalars, max_size=3),
+)
+_registration_shaped = st.fixed_dictionaries(
+    {"type": st.one_of(st.sampled_from(("P", "D", "register", "HELLO")), _field)},
+    optional={name: _field for name in _FIELDS[1:]},
+)
+
+
+def _fuzz(examples: int) -> settings:
+    """Deterministic and fast: a fixed seed, no example database, no per-example deadline."""
+    return settings(max_examples=examples, deadline=None, derandomize=True, database=None)
+
+
+def _decodes_or_refuses(payload: bytes, max_bytes: int = MAX) -> None:
+    try:
+        reg = decode(payload, max_bytes)
+    except RegistryMessageError:
+        return
+    assert reg is None or (
+        isinstance(reg.role, Role) and reg.address.url.startswith(("http://", "https://"))
+    )
+
+
+@_fuzz(1000)
+@given(_values)
+def test_fuzz_any_msgpack_value(value):
+    _decodes_or_refuses(msgpack.packb(value))
+
+
+@_fuzz(1000)
+@given(_registration_shaped)
+def test_fuzz_registration_shaped_maps(message):
+    _decodes_or_refuses(msgpack.packb(message))
+
+
+@_fuzz(600)
+@given(st.binary(max_size=200), st.integers(min_value=0, max_value=300))
+def test_fuzz_raw_bytes(payload, max_bytes):
+    _decodes_or_refuses(payload, max_bytes)
+
+
+def _legacy(**overrides):
+    """A valid MoRIIO legacy message with some fields replaced."""
+    fields = {
+        "type": "register",
+        "role": "P",
+        "request_address": "http://h:1/v1/completions",
+        "handshake_port": 6301,
+        "notify_port": 61005,
+        "transfer_mode": "READ",
+    }
+    return _enc({**fields, **overrides})
+
+
+def test_legacy_helper_is_valid():
+    assert decode(_legacy(), MAX).format == "moriio-legacy"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(_enc({"type": ["P"]}), id="type-list"),
+        pytest.param(_enc({"type": {"P": 1}}), id="type-map"),
+        pytest.param(_legacy(role={"a": 1}), id="role-map"),
+        pytest.param(_legacy(role=["P"]), id="role-list"),
+        pytest.param(
+            _enc({"type": "P", "http_address": "h:\u00b2", "zmq_address": "z"}),
+            id="http-port-superscript-digit",
+        ),
+        pytest.param(_legacy(request_address="http://h:99999/"), id="url-port-too-big"),
+        pytest.param(_legacy(request_address="http://h:x/"), id="url-port-not-a-number"),
+        pytest.param(_legacy(request_address="http://[::1/"), id="url-bad-ipv6"),
+        pytest.param(_legacy(request_address="http://h:0/"), id="url-port-zero"),
+        pytest.param(_legacy(handshake_port="9" * 5000), id="port-5000-digits"),
+        pytest.param(_legacy(notify_port="\u00b2"), id="port-superscript-digit"),
+        pytest.param(b"\x81\x91\x01\x02", id="list-as-map-key"),
+        pytest.param(b"\x81\xa4type\xd6\xff\x00\x00\x00\x01", id="type-timestamp-ext"),
+        pytest.param(b"\x81\xa4type\xd4\x80\x00", id="type-reserved-ext"),
+        pytest.param(b"\x91" * 60_000, id="nesting-past-msgpack-stack"),
+    ],
+)
+def test_regression_odd_field_types_raise_message_error(payload):
+    """Issue item 0: ``{"type": ["P"]}`` raised TypeError in the role lookup (hashing a
+    list), which ended the registry's serve loop without a log line, so every later
+    heartbeat was ignored until a restart. The other cases raised ValueError the same way.
+    """
+    with pytest.raises(RegistryMessageError):
+        decode(payload, MAX)
