@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +71,14 @@ class SimApp:
     def generation(self, http: Request) -> None:
         rec = self.recorder.add(http.method, http.path, http.headers, None)
         self.engine.counters.requests_received += 1
+        delay = float(self.faults.headers_delay_s)
+        if delay > 0:
+            then = functools.partial(self._generation, http, rec)
+            generate.spawn_delayed(self.engine, http.conn, rec, delay, then)
+            return
+        self._generation(http, rec)
+
+    def _generation(self, http: Request, rec: RequestRecord) -> None:
         try:
             body = openai_api.load_json(http.body)
             rec.body = body
@@ -103,11 +113,22 @@ class SimApp:
         return generate.Job(self.engine, http.conn, gen, rec, self.faults)
 
     def health(self, req: Request) -> None:
+        delay = float(self.faults.health_delay_s)
+        if delay > 0:
+            req.conn.spawn(self._health_later(req, delay))  # cancelled if the client leaves
+            return
+        req.conn.send(self._health_status(), b"")
+
+    async def _health_later(self, req: Request, delay: float) -> None:
+        await asyncio.sleep(delay)
+        req.conn.send(self._health_status(), b"")
+
+    def _health_status(self) -> int:
         slow = float(self.faults.slow_start_s)
         if slow > 0 and time.monotonic() - self.faults_set_at < slow:
-            req.conn.send(503, b"")
-            return
-        req.conn.send(200, b"")
+            return 503
+        status = self.faults.health_status
+        return 200 if status is None else int(status)
 
     def models(self, req: Request) -> None:
         card = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from engines.sim.connectors import CONNECTORS
 from engines.sim.server import SimServer
 
 log = logging.getLogger("engines.sim")
+CRASH_EXIT_CODE = 137  # what a shell reports for a SIGKILLed process (128 + 9)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +201,41 @@ def _add_fault_flags(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="/health answers 503 for the first N seconds.",
     )
+    add(
+        "--fault-headers-delay-s",
+        type=float,
+        default=0.0,
+        help="Generation requests: wait N seconds before sending anything, then answer.",
+    )
+    add(
+        "--fault-reset-after-bytes",
+        type=int,
+        default=None,
+        help="Generation requests: send the headers and N body bytes, then reset the connection.",
+    )
+    add(
+        "--fault-hang-after-tokens",
+        type=int,
+        default=None,
+        help="Go silent after N tokens (the connection stays open) until the client leaves.",
+    )
+    add(
+        "--fault-fail-kv-load",
+        action="store_true",
+        help="A decode's remote KV load fails; the request fails (kv_load_failure_policy=fail).",
+    )
+    add(
+        "--fault-health-delay-s",
+        type=float,
+        default=0.0,
+        help="/health and /ping answer only after N seconds.",
+    )
+    add(
+        "--fault-health-status",
+        type=int,
+        default=None,
+        help="/health and /ping answer with this status; generation keeps working.",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -208,6 +245,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         close_after_tokens=args.fault_close_after_tokens,
         refuse_connections=args.fault_refuse_connections,
         slow_start_s=args.fault_slow_start_s,
+        headers_delay_s=args.fault_headers_delay_s,
+        reset_after_bytes=args.fault_reset_after_bytes,
+        hang_after_tokens=args.fault_hang_after_tokens,
+        fail_kv_load=args.fault_fail_kv_load,
+        health_delay_s=args.fault_health_delay_s,
+        health_status=args.fault_health_status,
     )
     kwargs: dict[str, Any] = {
         k: getattr(args, k)
@@ -255,9 +298,19 @@ async def serve(config: SimConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT is sent by Ctrl+C
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, crash)
     await stop.wait()
     log.info("shutting down")
     await server.stop()
+
+
+def crash() -> None:
+    """SIGUSR1: exit at once with 137, as a crashed engine; nothing is flushed.
+
+    The kernel closes the sockets. For benchmarks that want a crash without a
+    supervisor-visible SIGKILL.
+    """
+    os._exit(CRASH_EXIT_CODE)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -24,6 +24,12 @@ class Faults:
     close_after_tokens: int | None = None  # abort the TCP connection after N streamed tokens
     refuse_connections: bool | float = False  # close the listener; a number restores it after N s
     slow_start_s: float = 0.0  # /health answers 503 for N s after the fault is set
+    headers_delay_s: float = 0.0  # generation: wait N s before sending anything
+    reset_after_bytes: int | None = None  # generation: headers + N body bytes, then a TCP RST
+    hang_after_tokens: int | None = None  # go silent after N tokens until the client leaves
+    fail_kv_load: bool = False  # a decode's remote KV load fails (policy "fail": 500)
+    health_delay_s: float = 0.0  # /health and /ping answer after N s
+    health_status: int | None = None  # /health and /ping answer this status (generation works)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Faults:
@@ -37,12 +43,17 @@ class Faults:
         return faults
 
     def validate(self) -> None:
-        if self.status is not None and not 100 <= int(self.status) <= 599:
-            raise ValueError("status must be an HTTP status code")
-        if self.close_after_tokens is not None and int(self.close_after_tokens) < 0:
-            raise ValueError("close_after_tokens must be >= 0")
-        if float(self.slow_start_s) < 0:
-            raise ValueError("slow_start_s must be >= 0")
+        for name in ("status", "health_status"):
+            value = getattr(self, name)
+            if value is not None and not 100 <= int(value) <= 599:
+                raise ValueError(f"{name} must be an HTTP status code")
+        for name in ("close_after_tokens", "reset_after_bytes", "hang_after_tokens"):
+            value = getattr(self, name)
+            if value is not None and int(value) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("slow_start_s", "headers_delay_s", "health_delay_s"):
+            if float(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ def can_inline(job: Job) -> bool:
     eng = job.engine
     return (
         eng.config.instant
+        and job.faults.hang_after_tokens is None
         and not eng.connector.must_fetch(job.req)
         and eng.scheduler.running < eng.scheduler.max_running
         and eng.scheduler.waiting == 0
@@ -44,7 +45,15 @@ def can_inline(job: Job) -> bool:
 def serve_inline(job: Job) -> None:
     pre = job.engine.prefill(job.req, job.engine.connector.load_now(job.req))
     pieces, out = _run_all(job, pre)
+    _answer_whole(job, pieces, out)
+
+
+def _answer_whole(job: Job, pieces: list[str], out: render.Outcome) -> None:
+    """Send a fully generated response, or what the close/reset faults leave of it."""
     if _cut_short(job, pieces):
+        return
+    if job.faults.reset_after_bytes is not None:
+        _reset_after(job, pieces, out, int(job.faults.reset_after_bytes))
         return
     if job.req.stream:
         job.conn.start_stream(200, SSE)
@@ -86,6 +95,20 @@ def _close_after(job: Job, pieces: list[str], limit: int) -> None:
     job.conn.abort()
 
 
+def _reset_after(job: Job, pieces: list[str], out: render.Outcome, limit: int) -> None:
+    """The reset_after_bytes fault: a 200, the first N bytes of the body, then an RST.
+
+    For a stream the N bytes are of the SSE payload (chunk framing not counted).
+    """
+    job.rec.fail(200, f"fault: reset after {limit} bytes")
+    if not job.req.stream:
+        job.conn.send_truncated(200, render.full_body(job.req, out), limit)
+        return
+    job.conn.start_stream(200, SSE)
+    job.conn.write_chunk(render.stream_all(job.req, pieces, out)[:limit])
+    job.conn.reset()
+
+
 async def serve_async(job: Job) -> None:
     """The slow path: wait for a slot, pull KV, pay prefill and decode time."""
     eng = job.engine
@@ -108,20 +131,30 @@ async def serve_async(job: Job) -> None:
 async def _generate(job: Job) -> None:
     eng, req = job.engine, job.req
     try:
-        loaded = await eng.connector.fetch(req) if eng.connector.must_fetch(req) else None
+        loaded = await _fetch(job)
     except KVTransferError as exc:
         _fail_transfer(job, str(exc))
         return
     pre = eng.prefill(req, loaded if loaded is not None else eng.connector.load_now(req))
     await asyncio.sleep(pre.delay_s(eng.config))
-    if not req.stream:
-        pieces, out = await _timed_pieces(job, pre)
-        if _cut_short(job, pieces):
-            return
-        job.conn.send(200, render.full_body(req, out))
-        job.rec.complete()
+    if req.stream and job.faults.reset_after_bytes is None:
+        await _stream(job, pre)
         return
-    await _stream(job, pre)
+    pieces, out = await _timed_pieces(job, pre)
+    _answer_whole(job, pieces, out)
+
+
+async def _fetch(job: Job) -> list[bytes] | None:
+    """Remote KV for a decode that needs it; the fail_kv_load fault fails it without trying."""
+    eng, req = job.engine, job.req
+    if not eng.connector.must_fetch(req):
+        return None
+    if job.faults.fail_kv_load:
+        eng.counters.kv_load_failures += 1
+        raise KVTransferError(
+            f"KV load failed for request {req.internal_id} (kv_load_failure_policy=fail)"
+        )
+    return await eng.connector.fetch(req)
 
 
 def _fail_transfer(job: Job, message: str) -> None:
@@ -143,6 +176,7 @@ async def _timed_pieces(job: Job, pre: Prefill) -> tuple[list[str], render.Outco
     pacer = _Pacer(job.engine.config.decode_tps)
     for piece, finish, stop in job.engine.steps(job.req, pre):
         await pacer.wait(len(pieces))
+        await _hang_after(job, len(pieces))
         pieces.append(piece)
         if finish is not None:
             reason, stop_reason = finish, stop
@@ -164,6 +198,7 @@ async def _stream(job: Job, pre: Prefill) -> None:
             job.rec.fail(200, f"fault: closed after {limit} tokens")
             conn.abort()
             return
+        await _hang_after(job, len(pieces))
         pieces.append(piece)
         if finish is None:
             conn.write_chunk(render.token_chunk(req, piece))
@@ -198,28 +233,64 @@ class _Pacer:
 async def serve_hang(job: Job) -> None:
     """The hang fault: accept the request and never answer (until the client leaves)."""
     try:
-        await asyncio.get_running_loop().create_future()
+        await _forever()
     except asyncio.CancelledError:
         _on_cancel(job)
 
 
+async def _hang_after(job: Job, sent: int) -> None:
+    """The hang_after_tokens fault: before token N+1, wait until cancelled (slot held)."""
+    limit = job.faults.hang_after_tokens
+    if limit is not None and sent >= limit:
+        await _forever()
+
+
+async def _forever() -> None:
+    await asyncio.get_running_loop().create_future()
+
+
 def _on_cancel(job: Job) -> None:
+    _abort(job.engine, job.conn, job.rec)
+
+
+def _abort(engine: Engine, conn: Connection, rec: RequestRecord) -> None:
     """The client went away (or the server is stopping): record it like vLLM's abort.
 
     Called from connection_lost and again from the task's CancelledError; only the first
     call counts (a task cancelled before it started never runs its except clause).
     """
-    if job.rec.outcome != "pending":
+    if rec.outcome != "pending":
         return
-    job.engine.counters.requests_finished_abort += 1
-    if job.conn.state.stopping:
-        job.rec.fail(None, "aborted: server stopping")
-    elif job.conn.closed:
-        job.engine.counters.client_disconnects += 1
-        job.rec.disconnected()
+    engine.counters.requests_finished_abort += 1
+    if conn.state.stopping:
+        rec.fail(None, "aborted: server stopping")
+    elif conn.closed:
+        engine.counters.client_disconnects += 1
+        rec.disconnected()
 
 
 def spawn(job: Job, coro: Coroutine[Any, Any, None]) -> None:
     """Run a request as its connection's task; a disconnect records it and cancels the task."""
     job.conn.on_lost = lambda: _on_cancel(job)
     job.conn.spawn(coro)
+
+
+def spawn_delayed(
+    engine: Engine, conn: Connection, rec: RequestRecord, delay_s: float, then: Callable[[], None]
+) -> None:
+    """The headers_delay_s fault: call `then` (which answers) after a delay sending nothing.
+
+    A disconnect during the delay aborts the request, as one during generation does.
+    """
+
+    async def wait_then() -> None:
+        try:
+            await asyncio.sleep(delay_s)
+        except asyncio.CancelledError:
+            _abort(engine, conn, rec)
+            return
+        conn.on_lost = None
+        then()
+
+    conn.on_lost = lambda: _abort(engine, conn, rec)
+    conn.spawn(wait_then())

@@ -7,6 +7,9 @@ close at once (connection_lost), and serve a request inline without a task.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -17,6 +20,7 @@ import httptools
 
 HIGH_WATER = 256 * 1024
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
+_LINGER_ZERO = struct.pack("ii", 1, 0)  # l_onoff=1, l_linger=0: close() sends an RST
 
 
 @dataclass
@@ -159,6 +163,26 @@ class Connection(asyncio.Protocol):
         """Drop the TCP connection abruptly (RST where the OS allows)."""
         if self.transport is not None:
             self.transport.abort()
+
+    def reset(self) -> None:
+        """Drop the TCP connection with an RST (SO_LINGER 0), as a crashed peer's kernel may."""
+        if self.transport is None:
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed: abort() is all that is left
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ZERO)
+        self.transport.abort()
+
+    def send_truncated(
+        self, status: int, body: bytes, limit: int, content_type: str = "application/json"
+    ) -> None:
+        """Announce the whole body, send its first `limit` bytes, then reset the connection."""
+        if self.closed or self.transport is None:
+            return
+        head = self._head(status, content_type, (), False)
+        self.transport.write(b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body[:limit]))
+        self.reset()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a request's coroutine as this connection's task (cancelled on disconnect)."""

@@ -1,12 +1,13 @@
-"""Lifecycle of one sim engine: start on the current loop, refuse/restore, stop cleanly."""
+"""Lifecycle of one sim engine: start on the current loop, refuse/restore, stop or crash."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -102,11 +103,21 @@ class SimServer:
         )
 
     async def stop(self) -> None:
-        # stop heartbeats, stop accepting, cancel the restore timer, drop connections,
-        # stop the connector
+        """Stop cleanly: open connections are closed. A second call (or after kill) is a no-op."""
+        await self._shut_down(Connection.abort)
+
+    async def kill(self) -> None:
+        """Stop as a crashed process would: open connections are reset (RST). Idempotent."""
+        await self._shut_down(Connection.reset)
+
+    async def _shut_down(self, drop: Callable[[Connection], None]) -> None:
+        if self.state.stopping:
+            return
+        self.state.stopping = True
+        # registration heartbeats stop (no goodbye is sent: vLLM has none)
         if self.heartbeat is not None:
             await self.heartbeat.stop()
-        self.state.stopping = True
+        # stop accepting, cancel the restore timer and a pending re-listen
         self._close_listener()
         if self._restore is not None:
             self._restore.cancel()
@@ -115,12 +126,15 @@ class SimServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._relisten
             self._close_listener()
+        # drop every connection and cancel the request tasks
         tasks = [c.task for c in self.state.connections if c.task is not None]
         for conn in list(self.state.connections):
-            conn.abort()
+            drop(conn)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0)  # connection_lost runs: aborts recorded, idle timers cancelled
+        # the connector: side channel, leases, background pushes, bootstrap server
         await self.engine.connector.stop()
 
     async def _listen(self) -> None:
@@ -140,6 +154,8 @@ class SimServer:
             self._listener = None
 
     def _apply_faults(self, faults: Faults) -> None:
+        if self.state.stopping:  # a stopped or killed server never listens again
+            return
         refuse = faults.refuse_connections
         if self._restore is not None:
             self._restore.cancel()
@@ -155,11 +171,48 @@ class SimServer:
 
 
 class SimHandle:
-    """What `running_sim` yields: addresses, records, counters, faults."""
+    """What `running_sim` yields: addresses, records, counters, faults, kill and restart.
+
+    Everything reads the current server, so after `restart()` the same handle serves the new
+    engine (its records and counters start empty).
+    """
 
     def __init__(self, server: SimServer) -> None:
         self._server = server
         self.config = server.config
+
+    async def kill(self) -> None:
+        """Crash the engine; idempotent.
+
+        Heartbeats stop, the listener closes (connect is refused), open connections are
+        reset, request tasks, lease timers and the KV side channel stop, and the in-memory
+        KV (held blocks, prefix cache) is lost.
+        """
+        await self._server.kill()
+
+    async def restart(self) -> None:
+        """Kill (if running), then start a fresh engine on the same ports.
+
+        Same config, HTTP port, KV port and bootstrap port (registrations and peers' KV
+        params stay valid); new empty state: records, counters, KV, and the faults of the
+        config (run-time `set_faults` and `pause_registration` do not survive).
+        """
+        old = self._server
+        await old.kill()
+        connector = old.engine.connector
+        config = dataclasses.replace(
+            old.config,
+            port=old.port,
+            kv_port=connector.kv_port,
+            bootstrap_port=connector.bootstrap_port or old.config.bootstrap_port,
+        )
+        server = SimServer(config)
+        await server.start()
+        self._server = server
+
+    async def aclose(self) -> None:
+        """Stop the current server cleanly (a no-op if it was killed)."""
+        await self._server.stop()
 
     @property
     def url(self) -> str:
@@ -259,15 +312,14 @@ async def running_sim(
     if config is None:
         config = SimConfig(**overrides)
     elif overrides:
-        import dataclasses
-
         config = dataclasses.replace(config, **overrides)
     server = SimServer(config)
     await server.start()
+    handle = SimHandle(server)
     try:
-        yield SimHandle(server)
+        yield handle
     finally:
-        await server.stop()
+        await handle.aclose()
 
 
 def _url_host(host: str) -> str:

@@ -8,6 +8,10 @@ import signal
 import subprocess
 import sys
 
+import aiohttp
+import pytest
+
+from engines.sim import Faults
 from engines.sim.cli import build_parser, config_from_args
 
 
@@ -74,6 +78,52 @@ async def test_standalone_process_serves_and_stops(session):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+def test_fault_flags_map_to_config():
+    args = build_parser().parse_args(
+        [
+            "--fault-headers-delay-s=0.5",
+            "--fault-reset-after-bytes=10",
+            "--fault-hang-after-tokens=3",
+            "--fault-fail-kv-load",
+            "--fault-health-delay-s=2",
+            "--fault-health-status=503",
+        ]
+    )
+    assert config_from_args(args).faults == Faults(
+        headers_delay_s=0.5,
+        reset_after_bytes=10,
+        hang_after_tokens=3,
+        fail_kv_load=True,
+        health_delay_s=2,
+        health_status=503,
+    )
+    assert config_from_args(build_parser().parse_args([])).faults == Faults()
+
+
+async def test_sigusr1_crashes_the_standalone_process(session):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "engines.sim", "--port", "0", stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stderr is not None
+        line = await asyncio.wait_for(proc.stderr.readline(), 20)
+        match = re.search(rb"listening on (http://\S+) ", line)
+        assert match, line
+        url = match.group(1).decode()
+        async with session.get(url + "/health") as resp:
+            assert resp.status == 200
+        proc.send_signal(signal.SIGUSR1)
+        assert await asyncio.wait_for(proc.wait(), 10) == 137
+        assert b"shutting down" not in await proc.stderr.read()  # no graceful stop
+        with pytest.raises(aiohttp.ClientConnectorError):
+            async with aiohttp.ClientSession() as fresh, fresh.get(url + "/health"):
+                pass
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 def test_id_connector_and_register_flags_map_to_config():

@@ -143,6 +143,20 @@ async def test_pause_resume_and_stop_end_heartbeats():
     assert sim.heartbeat is not None and sim.heartbeat._task is None
 
 
+async def test_kill_ends_heartbeats_and_restart_resumes_them_with_the_same_identity():
+    async with router() as (sock, addr):
+        cfg = SimConfig(
+            role="decode", connector="p2p-nccl", register=addr, register_interval_s=INTERVAL
+        )
+        async with running_sim(cfg) as sim:
+            identity, msg = await recv(sock)
+            await sim.kill()
+            await drain(sock, 0.1)
+            assert await drain(sock, 0.2) == 0
+            await sim.restart()
+            assert await recv(sock, 1.0) == (identity, msg)  # same ports, same registration
+
+
 async def test_role_both_does_not_register():
     async with (
         router() as (sock, addr),
