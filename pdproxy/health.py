@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 from pdproxy.config import HealthConfig
 from pdproxy.engine_client import EngineClient
@@ -22,6 +24,8 @@ from pdproxy.resilience.probes import apply_probe
 from pdproxy.types import Endpoint, ProbeState
 
 logger = logging.getLogger(__name__)
+
+_RECHECK_AFTER = 0.5  # seconds; the most an unhealthy instance that answered waits to be rechecked
 
 
 class HealthChecker:
@@ -38,14 +42,15 @@ class HealthChecker:
         self._client = client
         self._outliers = outliers
         self._task: asyncio.Task[None] | None = None
-        self._pending: dict[str, asyncio.Task[None]] = {}
+        self._pending: dict[str, asyncio.Task[None]] = {}  # out-of-round probe per instance
+        self._tasks: set[asyncio.Task[None]] = set()  # every out-of-round probe, for aclose
 
     def start(self) -> None:
         if self.config.enabled:
             self._task = asyncio.create_task(self._run())
 
     async def aclose(self) -> None:
-        tasks = [t for t in (self._task, *self._pending.values()) if t is not None]
+        tasks = [t for t in (self._task, *self._tasks) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -55,10 +60,7 @@ class HealthChecker:
         if not self.config.enabled:
             return
         endpoint.health.probe = ProbeState.UNKNOWN
-        if endpoint.url not in self._pending:
-            task = asyncio.create_task(self.check(endpoint))
-            self._pending[endpoint.url] = task
-            task.add_done_callback(lambda _: self._pending.pop(endpoint.url, None))
+        self._spawn(endpoint, self.check(endpoint))
 
     async def settle(self) -> None:
         """Wait for the first probes of the instances admitted so far (start-up)."""
@@ -83,12 +85,41 @@ class HealthChecker:
         before = health.probe
         after = apply_probe(health, ok, self.config)
         if after is None:
+            if ok and before is ProbeState.UNHEALTHY:
+                self._recheck_soon(endpoint)
             return
         if before is ProbeState.UNHEALTHY:
             self._outliers.reset(endpoint)
         self._registry.invalidate()
         log = logger.info if after is ProbeState.HEALTHY else logger.warning
         log("%s %s is %s (health checks)", endpoint.role.value, endpoint.url, after.value)
+
+    def _recheck_soon(self, endpoint: Endpoint) -> None:
+        """An unhealthy instance answered: confirm it within a fraction of the interval
+        rather than a whole one per success, so a recovered instance is back within about
+        one interval whatever ``success_threshold`` is."""
+        self._spawn(endpoint, self._recheck(endpoint))
+
+    async def _recheck(self, endpoint: Endpoint) -> None:
+        await asyncio.sleep(min(_RECHECK_AFTER, self.config.interval / 4))
+        self._pending.pop(endpoint.url, None)  # its verdict may schedule the next recheck
+        await self.check(endpoint)
+
+    def _spawn(self, endpoint: Endpoint, probe: Coroutine[Any, Any, None]) -> None:
+        """Run one out-of-round probe of ``endpoint``, at most one at a time."""
+        if endpoint.url in self._pending:
+            probe.close()
+            return
+        task = asyncio.create_task(probe)
+        self._pending[endpoint.url] = task
+        self._tasks.add(task)
+
+        def done(_: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            if self._pending.get(endpoint.url) is task:
+                del self._pending[endpoint.url]
+
+        task.add_done_callback(done)
 
     async def _run(self) -> None:
         while True:

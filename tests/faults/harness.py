@@ -30,7 +30,7 @@ PROMPT = "the fault matrix asks every engine to fail in every way it can"
 
 # Short enough that every fault resolves within a second or two, long enough for a loaded
 # two-core machine never to trip them on a healthy engine.
-HEALTH = HealthConfig(interval=0.25, timeout=0.5, failure_threshold=2, success_threshold=1)
+HEALTH = HealthConfig(interval=0.25, timeout=1.0, failure_threshold=2, success_threshold=1)
 TIMEOUTS = Timeouts(connect=1.0, read=2.0, prefill=1.0, decode_headers=1.0)
 OUTLIER = OutlierConfig(base_ejection=1.0, max_ejection=4.0)
 RETRY = RetryConfig(initial_backoff=0.02, max_backoff=0.1)

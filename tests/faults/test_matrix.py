@@ -6,6 +6,7 @@ an empty 200, every in-flight count back to 0, no connection or task left behind
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import aiohttp
@@ -194,8 +195,8 @@ async def test_failed_kv_load_reruns_the_pair():
 async def test_slow_health_check_takes_the_instance_out_and_back():
     async with fleet() as f:
         slow = f.decodes[0]
-        slow.set_faults(health_delay_s=2)
-        await wait_until(lambda: not f.instance(slow).routable, timeout=3, what="unhealthy")
+        slow.set_faults(health_delay_s=3)
+        await wait_until(lambda: not f.instance(slow).routable, timeout=4, what="unhealthy")
         f.decodes[0].clear_requests()
         all_ok(await drive(f, 8))
         assert _sent(slow) == 0
@@ -330,4 +331,18 @@ async def test_registered_decode_that_stops_heartbeating_mid_request():
         quiet.clear_requests()
         all_ok(await drive(f, 8, start=100))
         assert _sent(quiet) == 0
+        await assert_settled(f)
+
+
+async def test_recovered_instance_is_confirmed_within_about_one_interval():
+    """success_threshold 3 would cost three whole intervals; rechecks confirm it sooner."""
+    health = dataclasses.replace(HEALTH, interval=1.0, success_threshold=3)
+    async with fleet(proxy={"health": health}) as f:
+        sick = f.decodes[0]
+        sick.set_faults(health_status=503)
+        await wait_until(lambda: not f.instance(sick).routable, timeout=4, what="unhealthy")
+        sick.clear_faults()
+        took = await wait_until(lambda: f.instance(sick).routable, timeout=4, what="healthy")
+        assert took <= 1.0 + 2 * 0.25 + 0.5
+        all_ok(await drive(f, 8))
         await assert_settled(f)
