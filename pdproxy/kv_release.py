@@ -2,20 +2,23 @@
 free it on the engines at once instead of leaving it pinned until the connector's lease
 (NIXL: 30 s) runs out.
 
-The connector says how (``KVConnector.release_body``): a body for a short decode leg that
-makes a decode engine consume, and so release, the prefill's blocks. It is sent in the
-background to a routable decode (not the one that failed) and never reaches a client.
+The connector says how (``KVConnector.release_leg``): a short decode leg that makes a decode
+engine release the blocks, cheaper when that decode already reads from the same source
+(``Endpoint.kv_sources``). It is sent in the background to a routable decode (never the one
+that failed), its answer read and checked, and it never reaches a client or the request
+metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from pdproxy.connectors import KVConnector, Transfer
+from pdproxy.connectors import KVConnector, ReleaseLeg, Transfer
 from pdproxy.engine_client import EngineClient
 from pdproxy.errors import ProxyError
 from pdproxy.exchange import ClientRequest
@@ -48,19 +51,25 @@ class KVRelease:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def orphaned(
-        self, request: ClientRequest, transfer: Transfer, answer: dict[str, Any], why: str
+        self,
+        request: ClientRequest,
+        transfer: Transfer,
+        answer: Mapping[str, Any],
+        *,
+        failed: Endpoint | None,
     ) -> None:
-        """``answer``'s KV will not be read by the decode it was meant for (``why``)."""
-        body = self._connector.release_body(request.body, transfer, answer)
-        if body is None:
+        """No decode will read ``answer``'s KV; ``failed`` is a decode not to ask."""
+        source = self._connector.kv_source(answer)
+        decode = self._choose(source, failed)
+        warm = decode is not None and source is not None and source in decode.kv_sources
+        leg = self._connector.release_leg(request.body, answer, warm=warm)
+        if leg is None:
             self._metrics.released_kv.labels("not_needed").inc()
             return
-        avoid = transfer.decision.decode if why != "client_disconnected" else None
-        decode = self._decode(avoid)
         if decode is None:
             self._metrics.released_kv.labels("no_decode").inc()
             return
-        task = asyncio.create_task(self._send(request, transfer, decode, body, why))
+        task = asyncio.create_task(self._send(request, transfer, decode, leg, source))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -69,10 +78,12 @@ class KVRelease:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def _decode(self, avoid: Endpoint | None) -> Endpoint | None:
-        decodes = [e for e in self._registry.snapshot().decode if e is not avoid]
-        available = [e for e in decodes if self._outliers.available(e)]
-        chosen = available or decodes
+    def _choose(self, source: str | None, failed: Endpoint | None) -> Endpoint | None:
+        """A routable decode, not ``failed``; one that reads from ``source`` if any does."""
+        decodes = [e for e in self._registry.snapshot().decode if e is not failed]
+        available = [e for e in decodes if self._outliers.available(e)] or decodes
+        warm = [e for e in available if source is not None and source in e.kv_sources]
+        chosen = warm or available
         return chosen[0] if chosen else None
 
     async def _send(
@@ -80,24 +91,28 @@ class KVRelease:
         request: ClientRequest,
         transfer: Transfer,
         decode: Endpoint,
-        body: dict[str, Any],
-        why: str,
+        leg: ReleaseLeg,
+        source: str | None,
     ) -> None:
-        headers = leg_headers(transfer.request_id, request.authorization)
+        headers = leg_headers(transfer.request_id + "-release", request.authorization)
         try:
             upstream, _ = await self._client.post_read(
-                decode.url + request.kind.path,
-                orjson.dumps(body),
+                decode.url + leg.path,
+                orjson.dumps(leg.body),
                 headers,
                 leg="release",
                 within=_RELEASE_WITHIN,
             )
+            status: int | None = upstream.status
         except ProxyError as exc:
-            self._metrics.released_kv.labels("failed").inc()
             logger.info(
-                "could not release KV of %s on %s: %s", transfer.request_id, decode.url, exc
+                "could not release KV of %s via %s: %s", transfer.request_id, decode.url, exc
             )
-            return
-        outcome = "released" if upstream.status < 300 else "failed"
-        self._metrics.released_kv.labels(outcome).inc()
-        logger.debug("released KV of %s (%s) via %s", transfer.request_id, why, decode.url)
+            status = None
+        released = status == leg.expect
+        self._metrics.released_kv.labels("released" if released else "failed").inc()
+        if not released and source is not None:
+            decode.kv_sources.pop(source, None)  # it did not act as a warm decode would
+        logger.debug(
+            "KV of %s: release via %s answered %s", transfer.request_id, decode.url, status
+        )

@@ -117,7 +117,7 @@ class Legs:
                 headers_within=self._timeouts.decode_headers,
             )
             if streaming and upstream.status < 300:
-                return await self._stream(upstream, endpoint, transfer.request_id)
+                return await self._stream(upstream, endpoint, transfer.request_id, prefill_answer)
             response = _whole_answer(upstream, await upstream.read_all(), transfer.request_id)
         except ProxyError as error:
             endpoint.in_flight -= 1
@@ -128,11 +128,21 @@ class Legs:
             self._verdicts.abandoned(endpoint)
             raise
         endpoint.in_flight -= 1
-        self._verdicts.success(endpoint)
+        self._succeeded(endpoint, prefill_answer)
         return response
 
+    def _succeeded(self, decode: Endpoint, prefill_answer: Mapping[str, Any] | None) -> None:
+        self._verdicts.success(decode)
+        source = self._connector.kv_source(prefill_answer) if prefill_answer else None
+        if source is not None:
+            decode.read_from(source)
+
     async def _stream(
-        self, upstream: UpstreamResponse, endpoint: Endpoint, request_id: str
+        self,
+        upstream: UpstreamResponse,
+        endpoint: Endpoint,
+        request_id: str,
+        prefill_answer: Mapping[str, Any] | None,
     ) -> ProxyResponse:
         """Wait for the stream's first bytes; from then on the relay owns the leg (and
         uncounts it when it closes). Raises with the leg uncounted."""
@@ -143,7 +153,7 @@ class Legs:
             relay.close()
             raise
         relay.when_closed(lambda: self._stream_closed(endpoint, relay))
-        self._verdicts.success(endpoint)
+        self._succeeded(endpoint, prefill_answer)
         return ProxyResponse(200, "text/event-stream", request_id, stream=relay)
 
     def _stream_closed(self, endpoint: Endpoint, relay: StreamRelay) -> None:

@@ -88,23 +88,27 @@ class Orchestrator:
         transfer = self._connector.begin(self._pick(), request.request_id)
         answer: dict[str, Any] | None = None
         while True:
+            decoding = False
             try:
                 if self._connector.runs_concurrently(transfer):
                     return await self._legs.concurrent(request, transfer)
                 if answer is None:
                     answer = await self._legs.prefill(request, transfer)
+                decoding = True
                 return await self._legs.decode(request, transfer, answer)
             except UpstreamError as error:
                 failure = error
             except asyncio.CancelledError:
-                if answer is not None:  # the client left between the legs
-                    self._release.orphaned(request, transfer, answer, "client_disconnected")
+                # The client left. A decode that had the leg aborts it and vLLM frees P's
+                # KV; between the legs nobody would.
+                if answer is not None and not decoding:
+                    self._release.orphaned(request, transfer, answer, failed=None)
                 raise
             try:
                 transfer, answer = await self._recover(run, request, transfer, answer, failure)
             except asyncio.CancelledError:
                 if answer is not None:  # the client left during a backoff
-                    self._release.orphaned(request, transfer, answer, "client_disconnected")
+                    self._release.orphaned(request, transfer, answer, failed=None)
                 raise
 
     async def _recover(
@@ -116,27 +120,41 @@ class Orchestrator:
         error: UpstreamError,
     ) -> tuple[Transfer, dict[str, Any] | None]:
         """The transfer (and reusable prefill answer) to try next; re-raises ``error`` when
-        it must not or cannot be retried."""
+        it must not or cannot be retried.
+
+        A decode that failed by its own fault may have left P's KV unread; one that
+        rejected the leg (a 4xx) has told P itself (vLLM's rejection cleanup).
+        """
         role = Role.PREFILL if error.leg == "prefill" else Role.DECODE
         failed = transfer.decision.prefill if role is Role.PREFILL else transfer.decision.decode
         reason = retry_reason(error)
-        if reason is None or not self._may_retry(run, error.leg, reason):
-            if answer is not None:
-                self._release.orphaned(request, transfer, answer, "decode_failed")
+        if reason is None:
+            raise error
+        if not self._may_retry(run, error.leg, reason):
+            self._orphan(request, transfer, answer, failed)
             raise error
         run.tried[role].add(failed.url)
         run.last_failed[role] = failed.url
         try:
             decision = await self._repick(run, transfer.decision, role)
         except NoEndpointAvailable:
-            if answer is not None:
-                self._release.orphaned(request, transfer, answer, "decode_failed")
+            self._orphan(request, transfer, answer, failed)
             raise error from None
         if answer is not None:
             if self._connector.decode_retry_reuses_prefill(transfer, reason):
                 return dataclasses.replace(transfer, decision=decision), answer
-            self._release.orphaned(request, transfer, answer, "decode_retried")
+            self._orphan(request, transfer, answer, failed)
         return self._connector.begin(decision, request.request_id), None
+
+    def _orphan(
+        self,
+        request: ClientRequest,
+        transfer: Transfer,
+        answer: dict[str, Any] | None,
+        failed: Endpoint,
+    ) -> None:
+        if answer is not None:
+            self._release.orphaned(request, transfer, answer, failed=failed)
 
     def _may_retry(self, run: _Run, leg: str, reason: str) -> bool:
         if run.retries_left <= 0:

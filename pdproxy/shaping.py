@@ -26,11 +26,10 @@ HEADER_REQUEST_ID = "X-Request-Id"
 HEADER_DP_RANK = "X-data-parallel-rank"
 HEADER_AUTHORIZATION = "Authorization"
 
-# Fields a prefill leg must not carry: it answers one token, never streams, and vLLM rejects
-# min_tokens > max_tokens.
-_PREFILL_DROPPED = frozenset(
-    {STREAM_OPTIONS, MIN_TOKENS, MIN_COMPLETION_TOKENS, KV_TRANSFER_PARAMS}
-)
+# Fields a one-token leg must not carry: it never streams, and vLLM rejects
+# min_tokens > max_tokens. A prefill leg never carries the client's own KV params either.
+_ONE_TOKEN_DROPPED = frozenset({STREAM_OPTIONS, MIN_TOKENS, MIN_COMPLETION_TOKENS})
+_PREFILL_DROPPED = _ONE_TOKEN_DROPPED | {KV_TRANSFER_PARAMS}
 
 # A client may name its request, but only with characters that are safe inside vLLM's
 # internal ids and log lines.
@@ -39,15 +38,21 @@ _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 JSONBody = dict[str, Any]
 
 
+def one_token(body: Mapping[str, Any], dropped: frozenset[str] = _ONE_TOKEN_DROPPED) -> JSONBody:
+    """``body`` clamped to one whole token: not streamed, no minimum, no stream options."""
+    clamped = {k: v for k, v in body.items() if k not in dropped}
+    clamped[MAX_TOKENS] = 1
+    if MAX_COMPLETION_TOKENS in body:
+        clamped[MAX_COMPLETION_TOKENS] = 1
+    clamped[STREAM] = False
+    return clamped
+
+
 def prefill_body(
     original: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None
 ) -> JSONBody:
     """The prefill leg: clamped to one token, not streamed, with the connector's params."""
-    body = {k: v for k, v in original.items() if k not in _PREFILL_DROPPED}
-    body[MAX_TOKENS] = 1
-    if MAX_COMPLETION_TOKENS in original:
-        body[MAX_COMPLETION_TOKENS] = 1
-    body[STREAM] = False
+    body = one_token(original, _PREFILL_DROPPED)
     if kv_transfer_params is not None:
         body[KV_TRANSFER_PARAMS] = dict(kv_transfer_params)
     return body

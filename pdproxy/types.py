@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+_MAX_KV_SOURCES = 1024
+
 
 class Role(str, enum.Enum):
     """What an engine instance does in a disaggregated deployment."""
@@ -104,10 +106,20 @@ class Endpoint:
     models: tuple[str, ...] = field(default_factory=tuple)
     engine_ids: tuple[str, ...] = field(default_factory=tuple)  # per DP rank (Mooncake)
     health: EndpointHealth = field(default_factory=EndpointHealth)
+    # KV sources (NIXL: prefill engine ids) this decode has read from since it was last
+    # seen healthy: a release through it is prompt. Insertion-ordered, capped.
+    kv_sources: dict[str, None] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
         return self.address.url
+
+    def read_from(self, source: str) -> None:
+        """Remember that this decode has read KV from ``source``."""
+        if source not in self.kv_sources:
+            if len(self.kv_sources) >= _MAX_KV_SOURCES:
+                del self.kv_sources[next(iter(self.kv_sources))]
+            self.kv_sources[source] = None
 
     @property
     def routable(self) -> bool:

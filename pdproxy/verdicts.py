@@ -48,6 +48,7 @@ class Verdicts:
         snapshot = self._registry.snapshot()
         peers = snapshot.prefill if endpoint.role is Role.PREFILL else snapshot.decode
         if self.outliers.on_failure(endpoint, peers):
+            endpoint.kv_sources.clear()  # it may be restarting: its KV connections with it
             self._metrics.ejections.labels(endpoint.role.value, endpoint.url).inc()
             logger.warning(
                 "ejected %s %s after %d failures (last: %s), ejection #%d",

@@ -24,6 +24,16 @@ NEVER_REACHED_DECODE = frozenset({"connect"})
 
 
 @dataclass(frozen=True, slots=True)
+class ReleaseLeg:
+    """A decode leg sent only to release a prefill's KV; ``expect`` is the status that shows
+    the engine acted on it."""
+
+    path: str
+    body: JSONBody
+    expect: int
+
+
+@dataclass(frozen=True, slots=True)
 class Transfer:
     """Per-request transfer identity, shared by both legs."""
 
@@ -60,12 +70,21 @@ class KVConnector(Protocol):
         """The body for D; ``prefill_response`` is P's JSON answer in serial mode, else None."""
         ...
 
-    def release_body(
-        self, original: Mapping[str, Any], transfer: Transfer, prefill_response: Mapping[str, Any]
-    ) -> JSONBody | None:
-        """A decode-leg body that makes a decode engine release the KV of
-        ``prefill_response`` that no decode will read; None when there is nothing to
-        release or no way to."""
+    def kv_source(self, prefill_response: Mapping[str, Any]) -> str | None:
+        """Which KV source a decode reads ``prefill_response``'s blocks from (NIXL: P's
+        engine id), for tracking the decodes that have a connection to it; None if moot."""
+        ...
+
+    def release_leg(
+        self,
+        original: Mapping[str, Any],
+        prefill_response: Mapping[str, Any],
+        *,
+        warm: bool,
+    ) -> ReleaseLeg | None:
+        """A short decode leg that makes a decode engine release ``prefill_response``'s KV,
+        which no decode will read; ``warm`` when that decode already reads from the same
+        source. None when there is nothing to release or no way to."""
         ...
 
     def prefill_bootstrap_url(self, address: EngineAddress) -> str | None:
@@ -108,9 +127,16 @@ class SerialConnector:
     ) -> JSONBody:
         return decode_body(original, None)
 
-    def release_body(
-        self, original: Mapping[str, Any], transfer: Transfer, prefill_response: Mapping[str, Any]
-    ) -> JSONBody | None:
+    def kv_source(self, prefill_response: Mapping[str, Any]) -> str | None:
+        return None
+
+    def release_leg(
+        self,
+        original: Mapping[str, Any],
+        prefill_response: Mapping[str, Any],
+        *,
+        warm: bool,
+    ) -> ReleaseLeg | None:
         return None
 
     def prefill_bootstrap_url(self, address: EngineAddress) -> str | None:

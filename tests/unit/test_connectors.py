@@ -62,3 +62,64 @@ def test_example_sends_no_params():
     assert "kv_transfer_params" not in c.prefill_body(BODY, t)
     assert c.decode_body(BODY, t, {"kv_transfer_params": {"a": 1}}) == BODY
     assert c.runs_concurrently(t) is False
+
+
+PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[3, 4]], "remote_engine_id": "eng-1"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+@pytest.mark.parametrize(
+    ("name", "reason", "reuses"),
+    [
+        ("nixl", "connect", True),  # the decode never saw the leg: P's KV is intact
+        ("nixl", "5xx", False),  # it may have read (and P freed) the KV
+        ("nixl", "timeout", False),
+        ("example", "5xx", True),  # files on shared storage survive a read
+        ("p2p-nccl", "connect", False),  # P pushes to the decode its id names
+        ("mooncake", "connect", False),  # concurrent legs: a fresh pair
+        ("moriio", "connect", True),  # READ (the default mode): a pull, like NIXL
+        ("moriio", "5xx", False),
+    ],
+)
+def test_decode_retry_scope_is_the_connectors(name, reason, reuses):
+    c = _connector(name)
+    assert c.decode_retry_reuses_prefill(c.begin(_decision(), None), reason) is reuses
+
+
+def test_nixl_releases_through_a_warm_decode_with_a_leg_vllm_rejects():
+    c = _connector("nixl")
+    answer = {"kv_transfer_params": PARAMS}
+    assert c.kv_source(answer) == "eng-1"
+    leg = c.release_leg(CHAT, answer, warm=True)
+    assert leg.path == "/v1/completions" and leg.expect == 400
+    assert leg.body["stream"] is True and leg.body["use_beam_search"] is True
+    assert leg.body["kv_transfer_params"] == PARAMS and leg.body["model"] == "m"
+    assert "request_id" not in leg.body
+
+
+def test_nixl_releases_through_a_cold_decode_with_a_one_token_read():
+    c = _connector("nixl")
+    leg = c.release_leg(CHAT, {"kv_transfer_params": PARAMS}, warm=False)
+    assert leg.path == "/v1/chat/completions" and leg.expect == 200
+    assert leg.body["max_tokens"] == 1 and leg.body["stream"] is False
+    assert leg.body["messages"] == CHAT["messages"]
+    assert leg.body["kv_transfer_params"] == PARAMS
+
+
+@pytest.mark.parametrize("answer", [{}, {"kv_transfer_params": {"remote_block_ids": []}}])
+def test_nothing_to_release_without_blocks(answer):
+    assert _connector("nixl").release_leg(CHAT, answer, warm=True) is None
+
+
+@pytest.mark.parametrize("name", ["example", "p2p-nccl", "mooncake", "moriio"])
+def test_other_connectors_have_no_release(name):
+    c = _connector(name)
+    assert c.kv_source({"kv_transfer_params": PARAMS}) is None
+    assert c.release_leg(CHAT, {"kv_transfer_params": PARAMS}, warm=True) is None
+
+
+def test_a_decode_remembers_a_bounded_number_of_kv_sources():
+    d = _decision().decode
+    for i in range(5000):
+        d.read_from(f"eng-{i}")
+    assert len(d.kv_sources) == 1024 and "eng-4999" in d.kv_sources
