@@ -13,7 +13,7 @@ import orjson
 from engines.sim import generate, metrics, openai_api
 from engines.sim.config import Faults, SimConfig
 from engines.sim.engine import Engine
-from engines.sim.errors import ApiError, error_body
+from engines.sim.errors import ApiError, RequestValidationError, error_body
 from engines.sim.http import Request
 from engines.sim.records import Recorder, RequestRecord
 
@@ -81,11 +81,16 @@ class SimApp:
     def _generation(self, http: Request, rec: RequestRecord) -> None:
         try:
             body = openai_api.load_json(http.body)
-            rec.body = body
+        except ApiError as exc:
+            _refuse(http, rec, exc)
+            return
+        rec.body = body
+        try:
             job = self._job(http, body, rec)
         except ApiError as exc:
-            rec.fail(exc.status, exc.message)
-            http.conn.send(exc.status, exc.body())
+            _refuse(http, rec, exc)
+            if not isinstance(exc, RequestValidationError):
+                self._rejected(body)
             return
         if job is None:
             return
@@ -111,6 +116,15 @@ class SimApp:
             if cfg.strict:
                 raise ApiError(400, f"pdproxy-sim contract violation: {violation}")
         return generate.Job(self.engine, http.conn, gen, rec, self.faults)
+
+    def _rejected(self, body: dict[str, Any]) -> None:
+        """The handler refused a request: a decode's prefill may free its KV at once.
+
+        vLLM's `_with_kv_transfer_rejection_cleanup`; the answer is already sent.
+        """
+        params = body.get("kv_transfer_params")
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            self.engine.connector.reject(params)
 
     def health(self, req: Request) -> None:
         delay = float(self.faults.health_delay_s)
@@ -186,6 +200,11 @@ class SimApp:
             "bootstrap_port": self.engine.connector.bootstrap_port,
         }
         req.conn.send(200, orjson.dumps(data))
+
+
+def _refuse(http: Request, rec: RequestRecord, exc: ApiError) -> None:
+    rec.fail(exc.status, exc.message)
+    http.conn.send(exc.status, exc.body())
 
 
 def contract_violation(cfg: SimConfig, gen: openai_api.GenRequest) -> str | None:

@@ -29,6 +29,17 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.err_type)
 
 
+class RequestValidationError(ApiError):
+    """The body failed vLLM's pydantic schema, so FastAPI answered 400 before the handler ran.
+
+    Nothing of the request reached the engine: unlike an ApiError raised inside the handler,
+    it does not release a prefill's KV (see `Connector.reject`).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
+
+
 def error_body(status: int, message: str, err_type: str | None = None) -> bytes:
     """`{"error": {"message", "type", "param", "code"}}` as vLLM's ErrorResponse."""
     kind = err_type or _TYPES.get(status, "InternalServerError")

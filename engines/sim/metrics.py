@@ -27,6 +27,8 @@ class Counters:
     kv_load_failures: int = 0
     kv_invalid_params: int = 0
     kv_leases_expired: int = 0
+    kv_released_on_reject: int = 0
+    kv_release_unknown: int = 0
     contract_violations: int = 0
     client_disconnects: int = 0
     requests_received: int = 0
@@ -49,6 +51,16 @@ _SIM_COUNTERS = (
     ("sim_kv_load_failures_total", "kv_load_failures", "KV loads that failed (recomputed)."),
     ("sim_kv_invalid_params_total", "kv_invalid_params", "Invalid kv_transfer_params seen."),
     ("sim_kv_leases_expired_total", "kv_leases_expired", "Held KV freed by lease expiry."),
+    (
+        "sim_kv_released_on_reject_total",
+        "kv_released_on_reject",
+        "Held KV freed because the decode rejected its request.",
+    ),
+    (
+        "sim_kv_release_unknown_total",
+        "kv_release_unknown",
+        "Release notices for requests whose KV is not held.",
+    ),
     ("sim_contract_violations_total", "contract_violations", "Unclamped prefill requests."),
     ("sim_client_disconnects_total", "client_disconnects", "Requests aborted by disconnect."),
     ("sim_requests_received_total", "requests_received", "Generation requests received."),

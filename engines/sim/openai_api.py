@@ -11,7 +11,7 @@ from typing import Any, Literal
 import orjson
 
 from engines.sim import model
-from engines.sim.errors import ApiError
+from engines.sim.errors import ApiError, RequestValidationError
 
 Kind = Literal["completion", "chat"]
 COMPLETIONS_PATH = "/v1/completions"
@@ -46,7 +46,14 @@ def parse(
     max_model_len: int,
     dp_size: int,
 ) -> GenRequest:
-    """Validate a request body (see load_json) and headers; raises ApiError like vLLM."""
+    """Validate a request body (see load_json) and headers; raises ApiError like vLLM.
+
+    RequestValidationError marks what vLLM's pydantic schema rejects before its handler runs
+    (wrong types, missing fields); any other ApiError is the handler's own answer.
+    """
+    if body.get("stream") is True and body.get("use_beam_search") is True:
+        # vLLM's handler checks this before the model name, tokenization and max_tokens
+        raise ApiError(400, "Streaming is not currently supported with beam search")
     name = body.get("model")
     if name is not None and name != served_model:
         raise ApiError(404, f"The model `{name}` does not exist.")
@@ -58,12 +65,13 @@ def parse(
     suffix = os.urandom(4).hex()
     internal = f"{resp_id}-0-{suffix}" if kind == "completion" else f"{resp_id}-{suffix}"
     stream = _bool(body, "stream")
+    _bool(body, "use_beam_search")  # accepted; served as an ordinary request
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
-        raise ApiError(400, "stream_options must be an object")
+        raise RequestValidationError("stream_options must be an object")
     kvp = body.get("kv_transfer_params")
     if kvp is not None and not isinstance(kvp, dict):
-        raise ApiError(400, "kv_transfer_params must be an object")
+        raise RequestValidationError("kv_transfer_params must be an object")
     return GenRequest(
         kind=kind,
         body=body,
@@ -84,9 +92,11 @@ def load_json(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"JSON decode error: {exc}") from exc
+        raise RequestValidationError(f"JSON decode error: {exc}") from exc
     if not isinstance(body, dict):
-        raise ApiError(400, "Input should be a valid dictionary or object to extract fields from")
+        raise RequestValidationError(
+            "Input should be a valid dictionary or object to extract fields from"
+        )
     return body
 
 
@@ -106,10 +116,12 @@ def _dp_rank(headers: dict[str, str], dp_size: int) -> int | None:
 def _prompt_tokens(kind: Kind, body: dict[str, Any]) -> list[int]:
     if kind == "chat":
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
+        if not isinstance(messages, list):
+            raise RequestValidationError("messages: Field required (a non-empty list)")
+        if not messages:
             raise ApiError(400, "messages: Field required (a non-empty list)")
         if not all(isinstance(m, dict) for m in messages):
-            raise ApiError(400, "messages: each message must be an object")
+            raise RequestValidationError("messages: each message must be an object")
         try:
             return model.tokenize(model.render_chat(messages))
         except ValueError as exc:
@@ -125,10 +137,10 @@ def _completion_prompt(prompt: Any) -> list[int]:
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
         tokens = list(prompt)
     elif prompt is None:
-        raise ApiError(400, "prompt: Field required")
+        raise RequestValidationError("prompt: Field required")
     else:
-        raise ApiError(
-            400, "prompt must be a string, a list of token ids, or one of those in a list"
+        raise RequestValidationError(
+            "prompt must be a string, a list of token ids, or one of those in a list"
         )
     if not tokens:
         raise ApiError(400, "The prompt cannot be empty.")
@@ -150,7 +162,9 @@ def _max_tokens(kind: Kind, body: dict[str, Any], n_prompt: int, max_model_len: 
         )
     if value is None:
         return room
-    if type(value) is not int or value < 1:
+    if type(value) is not int:
+        raise RequestValidationError(f"max_tokens must be at least 1, got {value!r}.")
+    if value < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {value!r}.")
     return value
 
@@ -160,7 +174,7 @@ def _bool(body: dict[str, Any], key: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(400, f"{key}: Input should be a valid boolean")
+        raise RequestValidationError(f"{key}: Input should be a valid boolean")
     return value
 
 
@@ -172,4 +186,4 @@ def _stop(body: dict[str, Any]) -> list[str]:
         return [stop] if stop else []
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return [s for s in stop if s]
-    raise ApiError(400, "stop must be a string or a list of strings")
+    raise RequestValidationError("stop must be a string or a list of strings")

@@ -2,7 +2,8 @@
 
 A connector sees each request twice: before prefill (`must_fetch`/`fetch` for a remote pull,
 `load_now` for a local load) and after generation (`finished`, which may hold or store the KV
-and returns the kv_transfer_params for the response). `fetch` may raise KVTransferError when
+and returns the kv_transfer_params for the response); `reject` is told of a decode the handler
+refused before admission. `fetch` may raise KVTransferError when
 the request cannot be served without its KV (a push that never came): the request fails.
 The id-embedding connectors (MoRIIO, P2P-NCCL, Mooncake) share `transfer.py`.
 """
@@ -64,6 +65,14 @@ class Connector(Protocol):
 
     def finished(self, req: GenRequest, kv: Sequence[bytes]) -> dict[str, Any] | None:
         """Hold or store the KV of a finished request; return kv_transfer_params or None."""
+        ...
+
+    def reject(self, params: dict[str, Any]) -> None:
+        """The handler rejected a decode carrying these `do_remote_prefill` params.
+
+        Must not block or raise: a connector that tells the prefill to free the KV does it in
+        the background (vLLM's `notify_kv_transfer_request_rejected`). Only NIXL does.
+        """
         ...
 
 

@@ -42,6 +42,9 @@ class ExampleConnector:
     def held_blocks(self) -> int:
         return 0
 
+    def reject(self, params: dict[str, Any]) -> None:
+        return None  # nothing is held for a decode
+
     def must_fetch(self, req: GenRequest) -> bool:
         return False
 

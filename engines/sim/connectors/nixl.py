@@ -3,6 +3,11 @@
 P answers a `do_remote_decode` request with the kv_transfer_params of vLLM 0.33's
 NixlConnector (PROTOCOLS.md 3.2). D, given those params verbatim, asks P's side channel for
 (engine_id, remote_request_id, block_ids); any mismatch is an error and D recomputes.
+
+A decode that the handler rejects before admission (vLLM 0.32's
+`notify_kv_transfer_request_rejected`) makes D send P a `release` notice, but only for a P
+engine D has already pulled from since it started: vLLM's idle decode never steps again to
+handshake with a new P, so a cold pair leaves the blocks to P's lease.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from engines.sim.openai_api import GenRequest
 
 log = logging.getLogger("engines.sim.nixl")
 PULL_TIMEOUT_S = 5.0
+NOTICE_TIMEOUT_S = 5.0
+UNKNOWN = "Potentially invalid KV blocks for unrecognized request %s"
 REQUIRED_D_PARAMS = (
     "remote_block_ids",
     "remote_engine_id",
@@ -45,12 +52,19 @@ class NixlConnector:
         self.kv_port = 0
         self._held: dict[str, Held] = {}
         self._server: asyncio.Server | None = None
+        self._handshaked: set[str] = set()  # P engine ids pulled from since start
+        self._notices: set[asyncio.Task[None]] = set()
+        self._stopping = False
 
     async def start(self) -> None:
         self._server = await sidechannel.serve(self.cfg.kv_host, self.cfg.kv_port, self._serve)
         self.kv_port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        self._stopping = True
+        for task in list(self._notices):
+            task.cancel()
+        await asyncio.gather(*self._notices, return_exceptions=True)
         for rid in list(self._held):
             self._release(rid)
         if self._server is not None:
@@ -85,11 +99,14 @@ class NixlConnector:
                 _pull_msg(params),
                 PULL_TIMEOUT_S,
             )
-        except (OSError, asyncio.TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+        except sidechannel.ERRORS as exc:
             return self._failed(req, f"side channel: {exc!r}")
         if not reply.get("ok"):
             return self._failed(req, str(reply.get("error")))
-        return self._loaded(req, reply.get("blocks") or [])
+        kv = self._loaded(req, reply.get("blocks") or [])
+        if kv is not None:
+            self._handshaked.add(str(params["remote_engine_id"]))
+        return kv
 
     def _loaded(self, req: GenRequest, blocks: list[bytes]) -> list[bytes] | None:
         kv = model.unpack_blocks(blocks)
@@ -105,6 +122,32 @@ class NixlConnector:
         log.warning("KV load failed for %s: %s; recomputing locally", req.internal_id, why)
         self.counters.kv_load_failures += 1
         return None
+
+    def reject(self, params: dict[str, Any]) -> None:
+        """Tell a warm P to free a rejected request's blocks; never waits, never raises."""
+        if self._stopping or not params.get("do_remote_prefill"):
+            return
+        engine_id = str(params.get("remote_engine_id"))
+        if engine_id not in self._handshaked:
+            log.debug("no handshake with P engine %s yet: its lease frees the blocks", engine_id)
+            return
+        notice = _release_msg(params)
+        if notice is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._notify(*notice))
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
+
+    async def _notify(self, host: str, port: int, msg: dict[str, Any]) -> None:
+        try:
+            reply = await sidechannel.request(host, port, msg, NOTICE_TIMEOUT_S)
+        except sidechannel.ERRORS as exc:
+            log.warning(
+                "release notice for %s to %s:%d failed: %r", msg["request_id"], host, port, exc
+            )
+            return
+        if not reply.get("ok"):
+            log.warning("release notice for %s refused: %s", msg["request_id"], reply.get("error"))
 
     # prefill side
     def finished(self, req: GenRequest, kv: Sequence[bytes]) -> dict[str, Any] | None:
@@ -145,18 +188,34 @@ class NixlConnector:
                 "error": f"engine_id {msg.get('engine_id')!r} is not {self.cfg.engine_id!r}",
             }
         rid = str(msg.get("request_id"))
+        op = msg.get("op")
+        if op == "release":
+            return self._release_rejected(rid)
+        if op is not None:
+            return {"ok": False, "error": f"unsupported op {op!r}"}
+        return self._pull(rid, msg)
+
+    def _pull(self, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
         held = self._held.get(rid)
         if held is None:
-            return {
-                "ok": False,
-                "error": f"Potentially invalid KV blocks for unrecognized request {rid}",
-            }
+            return {"ok": False, "error": UNKNOWN % rid}
         if list(msg.get("block_ids") or []) != held.block_ids:
             return {"ok": False, "error": f"block ids do not match request {rid}"}
         self._release(rid)
         self.counters.kv_bytes_sent += sum(len(b) for b in held.blocks)
         self.counters.kv_transfers += 1
         return {"ok": True, "blocks": held.blocks}
+
+    def _release_rejected(self, rid: str) -> dict[str, Any]:
+        """A decode rejected the request: free its blocks now rather than at the lease."""
+        if rid not in self._held:
+            log.error(UNKNOWN, rid)  # already pulled, expired or released
+            self.counters.kv_release_unknown += 1
+            return {"ok": False, "error": UNKNOWN % rid}
+        log.info("Releasing KV blocks for request %s rejected by the remote decode", rid)
+        self.counters.kv_released_on_reject += 1
+        self._release(rid)
+        return {"ok": True}
 
     def _expire(self, rid: str) -> None:
         log.info(
@@ -182,3 +241,12 @@ def _pull_msg(params: dict[str, Any]) -> dict[str, Any]:
         "request_id": params["remote_request_id"],
         "block_ids": flat,
     }
+
+
+def _release_msg(params: dict[str, Any]) -> tuple[str, int, dict[str, Any]] | None:
+    """(host, port, frame) of the release notice for P's params, or None if they lack it."""
+    host, port, rid = (params.get(k) for k in ("remote_host", "remote_port", "remote_request_id"))
+    if host is None or rid is None or type(port) is not int:
+        return None
+    msg = {"op": "release", "engine_id": params["remote_engine_id"], "request_id": rid}
+    return str(host), port, msg

@@ -2,8 +2,10 @@
 
 Each frame is a 4-byte big-endian length and a msgpack map. The decode sends
 `{"engine_id", "request_id", "block_ids"}`; the prefill answers `{"ok": true, "blocks": [...]}`
-or `{"ok": false, "error": "..."}`. One request per connection. The id-embedding connectors
-add an `op` key (`read`, `write`, `put`, `pull`) and may answer after a wait (async handler).
+or `{"ok": false, "error": "..."}`. One request per connection. NIXL's decode also sends
+`{"op": "release", "engine_id", "request_id"}` (free the blocks of a request it rejected;
+answered `{"ok": true}` or an error). The id-embedding connectors add an `op` key (`read`,
+`write`, `put`, `pull`) and may answer after a wait (async handler).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import msgpack
 
 MAX_FRAME = 256 * 1024 * 1024
+ERRORS = (OSError, asyncio.TimeoutError, ValueError, asyncio.IncompleteReadError)  # of request()
 Handler = Callable[[dict[str, Any]], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 
 

@@ -171,6 +171,9 @@ class SideChannelConnector:
     def load_now(self, req: GenRequest) -> list[bytes] | None:
         return None
 
+    def reject(self, params: dict[str, Any]) -> None:
+        return None  # vLLM's notify on rejection is NIXL's alone; P holds until the lease
+
     async def serve(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Answer one side-channel frame (subclasses)."""
         return {"ok": False, "error": f"unsupported op {msg.get('op')!r}"}
