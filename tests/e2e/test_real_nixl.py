@@ -160,6 +160,54 @@ async def test_prefill_kv_without_decode_is_freed_by_the_lease(nixl_pair, record
     assert 20 <= held <= 90
 
 
+async def _orphan_through(proxy, pair, tag: str) -> float:
+    """One request whose decode leg fails (the dead decode): seconds until P is idle again."""
+    await wait_until(lambda: pair.prefill.metric("vllm:kv_cache_usage_perc") == 0, timeout=60)
+    status, _ = await post(
+        proxy.url, "/v1/completions", isolated(body(pair, "c", prompt(tag), False))
+    )
+    assert status == 503  # the dead decode, no retry: the clock starts at the orphaning
+    return await wait_until(
+        lambda: pair.prefill.metric("vllm:kv_cache_usage_perc") == 0, timeout=60, interval=0.05
+    )
+
+
+async def test_orphaned_kv_is_released_within_two_seconds(nixl_pair, record_property):
+    """A prefill whose decode failed for good: pdproxy releases its KV through the live
+    decode (a one-token leg while that decode is cold to pdproxy, then a leg vLLM rejects
+    before admission, which makes it notify P), instead of the 30 s lease."""
+    from engines.ports import free_port
+    from pdproxy.config import HealthConfig, OutlierConfig, RetryConfig
+
+    pair = nixl_pair
+    dead = EngineAddress(url=f"http://127.0.0.1:{free_port()}")
+    config = ProxyConfig(
+        prefill=(EngineAddress(url=pair.prefill_url),),
+        decode=(dead, EngineAddress(url=pair.decode_url)),  # round robin: dead first
+        kv_connector=pair.connector,
+        retry=RetryConfig(max_retries=0),
+        health=HealthConfig(interval=0),
+        outlier=OutlierConfig(consecutive_failures=0),
+    )
+    async with running_proxy(config) as proxy:
+        cold = await _orphan_through(proxy, pair, "orphan-cold")
+        status, _ = await post(
+            proxy.url, "/v1/completions", isolated(body(pair, "c", prompt("warm"), False))
+        )
+        assert status == 200  # the live decode reads from P: pdproxy knows it is warm now
+        warm = await _orphan_through(proxy, pair, "orphan-warm")
+        released = proxy.state.metrics.registry.get_sample_value(
+            "pdproxy_released_kv_total", {"outcome": "released"}
+        )
+    record_property("orphaned_kv_seconds_cold_decode", round(cold, 2))
+    record_property("orphaned_kv_seconds_warm_decode", round(warm, 2))
+    print(f"orphaned KV released in {cold:.2f} s (cold decode), {warm:.2f} s (warm decode)")
+    assert released == 2
+    assert cold <= 2.0 and warm <= 2.0
+    assert pair.decode.metric("vllm:num_requests_running") == 0
+    assert pair.decode.metric("vllm:num_requests_waiting") == 0
+
+
 async def test_killed_engine_gives_a_clear_error_not_a_hang(nixl_pair):
     """Must run last in this module: it kills the decode engine."""
     pair = nixl_pair

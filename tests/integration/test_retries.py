@@ -5,6 +5,9 @@ fresh transfer. Answers stay exactly a single engine's."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import aiohttp
 import orjson
 import pytest
@@ -110,10 +113,44 @@ async def test_static_instance_that_never_answers_is_not_routed_to():
 
 
 async def _wait(predicate, timeout: float = 3.0) -> None:
-    import asyncio
-    import time
-
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+async def _p_idle(d) -> None:
+    await _wait(lambda: d.prefills[0].gauges().kv_usage == 0, timeout=2.0)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold-decode", "warm-decode"])
+async def test_orphaned_kv_is_released_not_left_to_the_lease(warm):
+    """A decode fails after the prefill: its KV is released through the other decode (a
+    one-token read while pdproxy has not seen it read from P, else a leg the decode rejects
+    and that makes it notify P), well before the 30 s lease."""
+    async with deployment(1, 2, proxy=FAST_HEALTH, kv_lease_s=30) as d:
+        async with aiohttp.ClientSession() as s:
+            if warm:  # one request per decode: both have read from P
+                for i in range(2):
+                    await _same_as_single(s, d.proxy.url, d.single.url, i)
+            d.decodes[0].set_faults(status=503)
+            await _same_as_single(s, d.proxy.url, d.single.url, 10)
+        await _p_idle(d)
+        assert _metric(d.proxy, "pdproxy_released_kv_total", outcome="released") == 1
+        rejected = d.prefills[0].counters.kv_released_on_reject
+        assert rejected == (1 if warm else 0)
+        assert d.prefills[0].counters.kv_leases_expired == 0
+
+
+async def test_no_release_when_the_decode_had_the_leg():
+    """A client that leaves while its decode is opening: the decode aborts, vLLM frees P."""
+    async with deployment(1, 2, proxy=FAST_HEALTH, kv_lease_s=30) as d:
+        for dec in d.decodes:
+            dec.set_faults(headers_delay_s=1)
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(s.post(d.proxy.url + "/v1/completions", json=_body(0)))
+            await _wait(lambda: any(dec.generation_requests() for dec in d.decodes))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await _wait(lambda: d.proxy.state.in_flight == 0)
+        assert _metric(d.proxy, "pdproxy_released_kv_total", outcome="released") == 0
