@@ -45,6 +45,7 @@ class _Run:
     )
     last_failed: dict[Role, str] = field(default_factory=dict)
     rounds: int = 0  # passes over an exhausted role, for the backoff
+    trials: list[Endpoint] = field(default_factory=list)  # half-open trials it took
 
 
 class Orchestrator:
@@ -85,7 +86,21 @@ class Orchestrator:
     async def handle(self, request: ClientRequest) -> ProxyResponse:
         self._budget.on_request()
         run = _Run(self._max_retries)
-        transfer = self._connector.begin(self._pick(), request.request_id)
+        try:
+            return await self._handle(request, run)
+        finally:
+            if run.trials:
+                self._free_unused_trials(run)
+
+    def _free_unused_trials(self, run: _Run) -> None:
+        """A half-open trial this request took but never sent a leg to (the other leg
+        failed first) must not keep the instance out forever."""
+        for endpoint in run.trials:
+            if endpoint.in_flight == 0:
+                self._outliers.on_abandoned(endpoint)
+
+    async def _handle(self, request: ClientRequest, run: _Run) -> ProxyResponse:
+        transfer = self._connector.begin(self._pick(run), request.request_id)
         answer: dict[str, Any] | None = None
         while True:
             decoding = False
@@ -166,15 +181,19 @@ class Orchestrator:
         self._metrics.count_retry(leg, reason)
         return True
 
-    def _pick(self) -> PairDecision:
+    def _pick(self, run: _Run) -> PairDecision:
         snapshot = self._registry.snapshot()
         view = Snapshot(
             prefill=self._usable(snapshot.prefill, ()), decode=self._usable(snapshot.decode, ())
         )
         decision = self._scheduler.schedule(view)
-        self._outliers.on_pick(decision.prefill)
-        self._outliers.on_pick(decision.decode)
+        self._picked(run, decision.prefill)
+        self._picked(run, decision.decode)
         return decision
+
+    def _picked(self, run: _Run, endpoint: Endpoint) -> None:
+        if self._outliers.on_pick(endpoint):
+            run.trials.append(endpoint)
 
     async def _repick(self, run: _Run, decision: PairDecision, role: Role) -> PairDecision:
         """``decision`` with another instance of ``role``."""
@@ -192,11 +211,11 @@ class Orchestrator:
         if role is Role.PREFILL:
             chosen = self._scheduler.schedule(Snapshot(candidates, (decision.decode,)))
             new = PairDecision(chosen.prefill, decision.decode, chosen.prefill_dp_rank)
-            self._outliers.on_pick(new.prefill)
+            self._picked(run, new.prefill)
         else:
             chosen = self._scheduler.schedule(Snapshot((decision.prefill,), candidates))
             new = PairDecision(decision.prefill, chosen.decode, decision.prefill_dp_rank)
-            self._outliers.on_pick(new.decode)
+            self._picked(run, new.decode)
         return new
 
     def _pool(self, role: Role) -> tuple[Endpoint, ...]:

@@ -37,11 +37,13 @@ class OutlierDetector:
             return True
         return not health.trial_in_flight and self._clock() >= health.ejected_until
 
-    def on_pick(self, endpoint: Endpoint) -> None:
-        """A request was sent to ``endpoint``: if half-open, this is its one trial."""
+    def on_pick(self, endpoint: Endpoint) -> bool:
+        """A request chose ``endpoint``: if half-open, this is its one trial (True)."""
         health = endpoint.health
-        if health.ejected_until is not None:
-            health.trial_in_flight = True
+        if health.ejected_until is None:
+            return False
+        health.trial_in_flight = True
+        return True
 
     def on_success(self, endpoint: Endpoint) -> None:
         health = endpoint.health

@@ -206,3 +206,15 @@ async def test_id_connectors_get_a_fresh_request_id_for_a_rerun(connector):
     orchestrator, _ = _orchestrator(Recording(decode_script=[_5xx()]), connector=connector)
     await orchestrator.handle(REQUEST)
     assert len(seen) == 2 and seen[0] != seen[1]
+
+
+async def test_a_trial_whose_leg_never_ran_is_freed():
+    """Regression: a half-open decode picked by a request whose prefill then failed for
+    good stayed 'trial in flight' forever, out of rotation."""
+    rejected = UpstreamStatusError(leg="prefill", status=400, body=b"{}", content_type="x")
+    orchestrator, _ = _orchestrator(FakeLegs(prefill_script=[rejected]))
+    decode = orchestrator._registry.get("http://d0:1")
+    decode.health.ejected_until = 0.0  # ejection over: half-open, the next pick is its trial
+    with pytest.raises(UpstreamStatusError):
+        await orchestrator.handle(REQUEST)
+    assert orchestrator._outliers.available(decode)
