@@ -43,3 +43,15 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+## bench-faults: success and switch-over times when one engine of a 2P2D sim fleet fails
+FAULTS_ARGS ?=
+.PHONY: bench-faults
+bench-faults: install
+	$(PY) -m bench.faults $(FAULTS_ARGS)
+
+## soak: 100,000 requests through pdproxy while seeded random faults hit the engines (not in test)
+SOAK_ARGS ?=
+.PHONY: soak
+soak: install
+	$(PY) -m bench.soak $(SOAK_ARGS)

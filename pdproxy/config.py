@@ -105,7 +105,7 @@ class Timeouts:
     connect: float = 5.0
     read: float = 600.0
     probe: float = 2.0
-    prefill: float = 60.0
+    prefill: float = 30.0
     decode_headers: float = 30.0
 
     def __post_init__(self) -> None:
