@@ -313,9 +313,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=30.0, help="Client timeout per request.")
     p.add_argument(
         "--proxy-args",
-        default="--prefill-timeout-secs 5 --decode-header-timeout-secs 5",
-        help="pdproxy flags; by default leg timeouts that fit these short prompts, so a hung "
-        "engine costs seconds, not the client's timeout.",
+        default="--prefill-timeout-secs 5 --decode-header-timeout-secs 5 --request-timeout-secs 5",
+        help="pdproxy flags; by default leg timeouts that fit these short requests, so a hung "
+        "engine costs seconds, not the client's timeout (a hung non-streaming decode is bounded "
+        "only by --request-timeout-secs).",
     )
     p.add_argument(
         "--fault-seconds", type=float, nargs=2, default=(2.0, 5.0), metavar=("MIN", "MAX")

@@ -228,6 +228,13 @@ def _health_flags(p: argparse.ArgumentParser) -> None:
     _number(p, ("--outlier-max-ejection-secs",), float, o.max_ejection, "Longest ejection.")
     _number(
         p,
+        ("--overload-cooldown-secs",),
+        float,
+        o.overload_cooldown,
+        "After an engine answers 429 or 408, send new requests to its peers first this long.",
+    )
+    _number(
+        p,
         ("--max-ejection-percent",),
         float,
         o.max_ejection_percent,
@@ -359,6 +366,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Pr
             base_ejection=args.outlier_base_ejection_secs,
             max_ejection=args.outlier_max_ejection_secs,
             max_ejection_percent=args.max_ejection_percent,
+            overload_cooldown=args.overload_cooldown_secs,
         ),
         pool=PoolLimits(
             max_connections=args.max_connections,

@@ -195,8 +195,11 @@ class OutlierConfig:
     base_ejection: float = 5.0
     max_ejection: float = 60.0
     max_ejection_percent: float = 50.0
+    overload_cooldown: float = 1.0  # after a 429/408, peers first for this long (0: off)
 
     def __post_init__(self) -> None:
+        if self.overload_cooldown < 0:
+            raise ConfigError("--overload-cooldown-secs must be >= 0")
         if self.consecutive_failures < 0:
             raise ConfigError("--outlier-consecutive-failures must be >= 0")
         if not 0 < self.base_ejection <= self.max_ejection:

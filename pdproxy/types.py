@@ -63,6 +63,7 @@ class EndpointHealth:
     ejections_total: int = 0
     ejected_until: float | None = None  # monotonic; None = not ejected
     trial_in_flight: bool = False  # the half-open trial request is running
+    overloaded_until: float = 0.0  # monotonic; it answered 429/408: others first until then
 
 
 class Source(str, enum.Enum):

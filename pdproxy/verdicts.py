@@ -1,8 +1,9 @@
 """Leg outcomes → passive health: each leg's result is judged once, here.
 
 A failure that is the instance's fault (connect, timeout, reset, 5xx) counts toward its
-ejection; an engine's 429 or 408 is neutral; any other answer, 4xx included, proves the
-engine alive and counts as a success. A leg the client abandoned gives no verdict.
+ejection; an engine's 429 or 408 never does, but sends new requests to its peers for a
+short cool-down; any other answer, 4xx included, proves the engine alive and counts as a
+success. A leg the client abandoned gives no verdict.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Verdicts:
         elif counts_against(reason):
             self.failure(endpoint, reason)
         else:
-            self.abandoned(endpoint)
+            self.outliers.on_overloaded(endpoint)
         return reason
 
     def failure(self, endpoint: Endpoint, reason: str) -> None:

@@ -8,6 +8,10 @@ failure ejects it again for twice as long. Limits keep ejection from emptying a 
 last routable instance of a role is never ejected, nor more than ``max_ejection_percent``
 of a role at once.
 
+An instance that answers 429 (or 408) is not failing but overloaded: it is never ejected
+for it, but for ``overload_cooldown`` seconds new requests go to its peers first, so a
+shedding engine is not handed half the traffic only for most of it to be retried.
+
 The state lives on each ``Endpoint`` (``endpoint.health``); the detector only applies the
 rules, against an injected clock.
 """
@@ -31,11 +35,21 @@ class OutlierDetector:
         return self._config.consecutive_failures > 0
 
     def available(self, endpoint: Endpoint) -> bool:
-        """May a new request go to ``endpoint``? A half-open one takes a single trial."""
+        """May a new request go to ``endpoint``? A half-open one takes a single trial; an
+        overloaded one waits out its cool-down (callers fall back to it if nothing else is
+        left)."""
         health = endpoint.health
+        if health.overloaded_until and self._clock() < health.overloaded_until:
+            return False
         if health.ejected_until is None:
             return True
         return not health.trial_in_flight and self._clock() >= health.ejected_until
+
+    def on_overloaded(self, endpoint: Endpoint) -> None:
+        """It answered 429/408: peers first for a while. Never counts toward ejection."""
+        endpoint.health.trial_in_flight = False
+        if self._config.overload_cooldown > 0:
+            endpoint.health.overloaded_until = self._clock() + self._config.overload_cooldown
 
     def on_pick(self, endpoint: Endpoint) -> bool:
         """A request chose ``endpoint``: if half-open, this is its one trial (True)."""

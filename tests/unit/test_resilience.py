@@ -208,3 +208,15 @@ def test_an_instance_that_never_answered_turns_unhealthy():
     health = EndpointHealth(probe=ProbeState.UNKNOWN)
     assert apply_probe(health, False, config) is None
     assert apply_probe(health, False, config) is ProbeState.UNHEALTHY
+
+
+def test_an_overloaded_instance_waits_out_its_cool_down_and_is_never_ejected():
+    clock = Clock()
+    det = _detector(clock, overload_cooldown=1.0)
+    a, b = _endpoints(2)
+    for _ in range(10):
+        det.on_overloaded(a)
+    assert not det.available(a) and det.state(a) is BreakerState.CLOSED
+    clock.now += 1.0
+    assert det.available(a)
+    assert not _detector(clock, overload_cooldown=0).on_overloaded(b) and det.available(b)
