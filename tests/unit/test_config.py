@@ -114,3 +114,57 @@ def test_bad_admin_config_exits_2(extra):
     with pytest.raises(SystemExit) as exc:
         parse_config(["--prefill", "p:1", "--decode", "d:1", *extra], {})
     assert exc.value.code == 2
+
+
+def test_fault_tolerance_flags_build_config():
+    argv = ["--prefill", "a:1", "--decode", "b:2"]
+    argv += ["--retry-max-retries", "4", "--prefill-timeout-secs", "7"]
+    argv += ["--decode-header-timeout-secs", "3", "--retry-budget-ratio", "0.5"]
+    argv += ["--retry-budget-min-per-sec", "1", "--retry-initial-backoff-ms", "20"]
+    argv += ["--retry-max-backoff-ms", "400", "--health-check-interval-secs", "0"]
+    argv += ["--health-check-timeout-secs", "1", "--health-failure-threshold", "4"]
+    argv += ["--health-success-threshold", "1", "--health-check-endpoint", "/ping"]
+    argv += ["--cb-failure-threshold", "5", "--cb-timeout-duration-secs", "2"]
+    argv += ["--outlier-max-ejection-secs", "30", "--max-ejection-percent", "25"]
+    argv += ["--overload-cooldown-secs", "0"]
+    cfg = parse_config(argv, {})
+    assert (cfg.retry.max_retries, cfg.retry.budget_ratio, cfg.retry.budget_min_per_sec) == (
+        4,
+        0.5,
+        1,
+    )
+    assert (cfg.retry.initial_backoff, cfg.retry.max_backoff) == (0.02, 0.4)
+    assert (cfg.timeouts.prefill, cfg.timeouts.decode_headers) == (7, 3)
+    assert not cfg.health.enabled and cfg.health.endpoint == "/ping"
+    assert (cfg.health.timeout, cfg.health.failure_threshold, cfg.health.success_threshold) == (
+        1,
+        4,
+        1,
+    )
+    o = cfg.outlier
+    assert (o.consecutive_failures, o.base_ejection, o.max_ejection) == (5, 2, 30)
+    assert (o.max_ejection_percent, o.overload_cooldown) == (25, 0)
+
+
+def test_fault_tolerance_env_vars():
+    env = {"PDPROXY_MAX_RETRIES": "0", "PDPROXY_HEALTH_CHECK_INTERVAL_SECS": "2.5"}
+    cfg = parse_config(["--prefill", "a:1", "--decode", "b:2"], env)
+    assert cfg.retry.max_retries == 0 and cfg.health.interval == 2.5
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-retries", "-1"],
+        ["--health-failure-threshold", "0"],
+        ["--health-check-endpoint", "health"],
+        ["--outlier-base-ejection-secs", "90"],  # more than the max ejection
+        ["--max-ejection-percent", "150"],
+        ["--retry-initial-backoff-ms", "2000"],  # more than the max backoff
+        ["--prefill-timeout-secs", "0"],
+    ],
+)
+def test_bad_fault_tolerance_flags_exit_2(argv):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(["--prefill", "a:1", "--decode", "b:2", *argv], {})
+    assert exc.value.code == 2
