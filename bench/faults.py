@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import shlex
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -48,6 +46,7 @@ from bench.fleet import (
     get_json,
     host_port,
     retries_total,
+    run_with_logdir,
     set_faults,
     stop_on_sigterm,
     summarize,
@@ -408,14 +407,9 @@ def options(args: argparse.Namespace, logdir: str) -> Options:
 
 def main() -> None:
     args = parse_args()
-    import uvloop
-
-    with contextlib.ExitStack() as stack:
-        logdir = args.logdir or stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="pdproxy-faults-")
-        )
-        os.makedirs(logdir, exist_ok=True)
-        uvloop.run(main_async(options(args, logdir), args.rows))
+    run_with_logdir(
+        "pdproxy-faults-", args.logdir, lambda logdir: main_async(options(args, logdir), args.rows)
+    )
 
 
 if __name__ == "__main__":

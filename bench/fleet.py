@@ -16,11 +16,12 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 import orjson
@@ -28,6 +29,8 @@ import orjson
 from bench.procs import process, wait_healthy
 from engines.ports import free_ports
 
+T = TypeVar("T")
+R = TypeVar("R")
 StreamMode = Literal["none", "mixed", "all"]
 _JSON = {"Content-Type": "application/json"}
 _PROMPT = "The quick brown fox jumps over the lazy dog " * 4
@@ -130,6 +133,30 @@ async def fleet(
         yield Fleet(sims[:prefills], sims[prefills:], proxy_url, proxy.pid)
 
 
+@contextlib.asynccontextmanager
+async def in_background(owner: T, loop: Coroutine[Any, Any, None]) -> AsyncIterator[T]:
+    """Run ``loop`` while the block runs; cancel it (and wait for it) afterwards."""
+    task = asyncio.create_task(loop)
+    try:
+        yield owner
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def run_with_logdir(
+    prefix: str, logdir: str | None, main: Callable[[str], Coroutine[Any, Any, R]]
+) -> R:
+    """Run ``main(logdir)`` on uvloop, in ``logdir`` or a temporary folder removed afterwards."""
+    import uvloop
+
+    with contextlib.ExitStack() as stack:
+        folder = logdir or stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix))
+        os.makedirs(folder, exist_ok=True)
+        return uvloop.run(main(folder))
+
+
 def stop_on_sigterm() -> None:
     """Make SIGTERM cancel the current task as Ctrl-C does, so every process gets stopped."""
     task = asyncio.current_task()
@@ -147,15 +174,8 @@ class StallWatch:
         self.tick = tick
         self.worst = 0.0
 
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[StallWatch]:
-        task = asyncio.create_task(self._loop())
-        try:
-            yield self
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def running(self) -> contextlib.AbstractAsyncContextManager[StallWatch]:
+        return in_background(self, self._loop())
 
     async def _loop(self) -> None:
         while True:
@@ -415,15 +435,8 @@ class ProxyWatch:
         self.retries: float | None = None
         self.retries_changed_at: float | None = None  # when the retry count last grew
 
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[ProxyWatch]:
-        task = asyncio.create_task(self._loop())
-        try:
-            yield self
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def running(self) -> contextlib.AbstractAsyncContextManager[ProxyWatch]:
+        return in_background(self, self._loop())
 
     def first_change(self, url: str, routable: bool, after: float) -> float | None:
         key = host_port(url)

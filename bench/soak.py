@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
-import os
 import random
 import shlex
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -46,6 +43,7 @@ from bench.fleet import (
     fleet,
     proc_figures,
     retries_total,
+    run_with_logdir,
     set_faults,
     stop_on_sigterm,
     summarize,
@@ -345,14 +343,9 @@ def options(args: argparse.Namespace, logdir: str) -> Options:
 
 def main() -> None:
     args = parse_args()
-    import uvloop
-
-    with contextlib.ExitStack() as stack:
-        logdir = args.logdir or stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="pdproxy-soak-")
-        )
-        os.makedirs(logdir, exist_ok=True)
-        result = uvloop.run(soak(options(args, logdir)))
+    result = run_with_logdir(
+        "pdproxy-soak-", args.logdir, lambda logdir: soak(options(args, logdir))
+    )
     with open(args.json, "wb") as f:
         f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     print()

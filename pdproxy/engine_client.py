@@ -111,6 +111,7 @@ class EngineClient:
             total=None, sock_connect=timeouts.connect, sock_read=timeouts.read
         )
         self._stream = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect)
+        self._totals: dict[float, aiohttp.ClientTimeout] = {}
 
     async def start(self) -> None:
         legs = aiohttp.TCPConnector(
@@ -148,10 +149,12 @@ class EngineClient:
         leg: str,
         stream: bool,
         headers_within: float | None = None,
+        within: float | None = None,
     ) -> UpstreamResponse:
         """POST and wait for the response headers, at most ``headers_within`` seconds for a
         stream (default: the read timeout); the body is left to the caller. A ``stream``
-        body's silence is the caller's to bound."""
+        body's silence is the caller's to bound. ``within`` bounds a whole answer, body
+        included."""
         session = self._require(self._session)
         try:
             if stream:
@@ -159,6 +162,10 @@ class EngineClient:
                     response = await session.post(
                         url, data=body, headers=headers, timeout=self._stream
                     )
+            elif within is not None:
+                response = await session.post(
+                    url, data=body, headers=headers, timeout=self._bounded(within)
+                )
             else:
                 response = await session.post(url, data=body, headers=headers)
         except _FAILURES as exc:
@@ -177,21 +184,18 @@ class EngineClient:
     ) -> tuple[UpstreamResponse, bytes]:
         """POST and read the whole answer, in at most ``within`` seconds if given (else each
         silence is bounded by the read timeout); the connection is pooled again or dropped."""
-        if within is None:
-            return await self._post_read(url, body, headers, leg)
-        try:
-            async with _deadline(within):
-                return await self._post_read(url, body, headers, leg)
-        except asyncio.TimeoutError as exc:
-            raise UpstreamTimeout(
-                f"{leg} engine {url} did not answer within {within:g} s", leg=leg
-            ) from exc
-
-    async def _post_read(
-        self, url: str, body: bytes, headers: Mapping[str, str], leg: str
-    ) -> tuple[UpstreamResponse, bytes]:
-        upstream = await self.post(url, body, headers, leg=leg, stream=False)
+        upstream = await self.post(url, body, headers, leg=leg, stream=False, within=within)
         return upstream, await upstream.read_all()
+
+    def _bounded(self, within: float) -> aiohttp.ClientTimeout:
+        """aiohttp's own ``total`` timer (cheaper than a task deadline), one object per
+        distinct bound."""
+        timeout = self._totals.get(within)
+        if timeout is None:
+            timeout = self._totals[within] = aiohttp.ClientTimeout(
+                total=within, sock_connect=self._timeouts.connect, sock_read=self._timeouts.read
+            )
+        return timeout
 
     async def probe(self, url: str, timeout: float) -> bool:
         """An active health check: True when ``GET url`` answers 200 within ``timeout``."""
