@@ -8,7 +8,16 @@ from collections.abc import AsyncIterator
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.config import ProxyConfig, RegistryConfig
-from tests.faults.harness import HEALTH, MODEL, OUTLIER, RETRY, TIMEOUTS, Fleet, wait_until
+from tests.faults.harness import (
+    HEALTH,
+    MODEL,
+    OUTLIER,
+    RETRY,
+    TIMEOUTS,
+    Fleet,
+    idle,
+    wait_until,
+)
 from tests.servers import running_proxy
 
 
@@ -47,4 +56,4 @@ async def registered_fleet() -> AsyncIterator[Fleet]:
             return len(snap.prefill) == 2 and len(snap.decode) == 2
 
         await wait_until(complete, timeout=6, what="the sims registered and routable")
-        yield fleet
+        yield await idle(fleet)
