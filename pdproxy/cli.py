@@ -18,6 +18,7 @@ from typing import Any
 from pdproxy.config import (
     KV_CONNECTORS,
     TRANSFER_MODES,
+    AdmissionConfig,
     HealthConfig,
     OutlierConfig,
     PoolLimits,
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         _health_flags,
         _registry_flags,
         _admin_flags,
+        _security_flags,
+        _lifecycle_flags,
     ):
         add_group(p)
     return p
@@ -274,6 +277,61 @@ def _admin_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="KEY",
+        help="Keys clients must send as 'Authorization: Bearer KEY' (as vLLM's --api-key); "
+        "prefer --api-key-file or PDPROXY_API_KEY, which stay out of ps.",
+    )
+    p.add_argument("--api-key-file", default=None, help="File of client keys, one per line.")
+    p.add_argument(
+        "--protect-metrics", action="store_true", help="/metrics needs a client key too."
+    )
+    p.add_argument(
+        "--engine-api-key",
+        default=None,
+        help="Key pdproxy sends to engines started with vLLM's --api-key (then the client's "
+        "Authorization is not passed on); prefer --engine-api-key-file.",
+    )
+    p.add_argument("--engine-api-key-file", default=None, help="File holding --engine-api-key.")
+
+
+def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
+    d = AdmissionConfig()
+    _number(
+        p,
+        ("--max-concurrent-requests",),
+        int,
+        d.max_concurrent,
+        "Client requests served at once (0: no limit); more wait in the queue.",
+    )
+    _number(
+        p,
+        ("--max-queued-requests",),
+        int,
+        d.max_queued,
+        "Requests that may wait for a slot; more get 429 at once.",
+    )
+    _number(
+        p,
+        ("--queue-timeout-secs",),
+        float,
+        d.queue_timeout,
+        "Longest wait for a slot before a 429.",
+    )
+    _number(
+        p,
+        ("--shutdown-timeout-secs",),
+        float,
+        30.0,
+        "On SIGTERM, how long requests in flight may finish before their streams are ended.",
+    )
+
+
 def _apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     """Turn PDPROXY_* variables into parser defaults, so flags still override them."""
     defaults: dict[str, Any] = {}
@@ -315,6 +373,32 @@ def _prefill_addresses(tokens: Sequence[str]) -> tuple[EngineAddress, ...]:
     return tuple(addresses)
 
 
+def _read_secret_file(path: str, flag: str) -> list[str]:
+    """Non-empty, non-comment lines of a key file; the keys never reach an error message."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except OSError as exc:
+        raise ConfigError(f"cannot read {flag}: {exc.strerror}") from exc
+    keys = [line for line in lines if line and not line.startswith("#")]
+    if not keys:
+        raise ConfigError(f"{flag} holds no key")
+    return keys
+
+
+def _client_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(args.api_key or ())
+    if args.api_key_file:
+        keys += _read_secret_file(args.api_key_file, "--api-key-file")
+    return tuple(dict.fromkeys(keys))
+
+
+def _engine_key(args: argparse.Namespace) -> str | None:
+    if args.engine_api_key_file:
+        return _read_secret_file(args.engine_api_key_file, "--engine-api-key-file")[0]
+    return args.engine_api_key or None
+
+
 def _admin_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
     if args.admin_api_key_file:
         try:
@@ -338,6 +422,15 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Pr
         transfer_mode=args.transfer_mode,
         admin_api_key=_admin_key(args, environ),
         admin_allow_cidrs=tuple(args.admin_allow_cidr or ()),
+        api_keys=_client_keys(args),
+        protect_metrics=args.protect_metrics,
+        engine_api_key=_engine_key(args),
+        admission=AdmissionConfig(
+            max_concurrent=args.max_concurrent_requests,
+            max_queued=args.max_queued_requests,
+            queue_timeout=args.queue_timeout_secs,
+        ),
+        shutdown_timeout=args.shutdown_timeout_secs,
         kv_connector=args.kv_connector,
         model=args.model,
         max_body_bytes=args.max_body_bytes,
@@ -399,6 +492,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
     from pdproxy.api.app import create_app
+    from pdproxy.server import DrainingServer
 
     config = parse_config(argv)
     configure_logging(config.log_level)
@@ -410,8 +504,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         len(config.prefill),
         len(config.decode),
     )
-    uvicorn.run(
-        create_app(config),
+    app = create_app(config)
+    state = app.state.pdproxy
+    server_config = uvicorn.Config(
+        app,
         host=config.host,
         port=config.port,
         loop="uvloop" if sys.platform != "win32" else "asyncio",
@@ -421,4 +517,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_config=None,
         # pdproxy logs no client addresses, so X-Forwarded-For parsing is wasted work.
         proxy_headers=False,
+        # The drain has already ended every request when uvicorn's own shutdown starts.
+        timeout_graceful_shutdown=5,
     )
+    DrainingServer(server_config, lambda: state.lifecycle.drain(config.shutdown_timeout)).run()

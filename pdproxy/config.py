@@ -209,6 +209,29 @@ class OutlierConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionConfig:
+    """At most ``max_concurrent`` client requests served at once (0: no limit) and at most
+    ``max_queued`` waiting for a slot, each no longer than ``queue_timeout`` seconds; past
+    either limit the client gets 429 at once."""
+
+    max_concurrent: int = 0
+    max_queued: int = 0
+    queue_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 0 or self.max_queued < 0:
+            raise ConfigError("--max-concurrent-requests and --max-queued-requests must be >= 0")
+        if self.queue_timeout <= 0:
+            raise ConfigError("--queue-timeout-secs must be positive")
+        if self.max_queued and not self.max_concurrent:
+            raise ConfigError("--max-queued-requests needs --max-concurrent-requests")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_concurrent > 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RegistryConfig:
     """The ZMQ registration socket; ``port=None`` keeps it off."""
 
@@ -243,6 +266,11 @@ class ProxyConfig:
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     admin_api_key: str | None = field(default=None, repr=False)
     admin_allow_cidrs: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # clients' Bearer keys
+    protect_metrics: bool = False  # /metrics needs a client key too
+    engine_api_key: str | None = field(default=None, repr=False)  # pdproxy's key to engines
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    shutdown_timeout: float = 30.0
     log_level: str = "info"
     access_log: bool = False
 
@@ -256,6 +284,12 @@ class ProxyConfig:
             raise ConfigError("--max-body-bytes must be positive")
         if not 0 <= self.port <= 65535:
             raise ConfigError("--port must be in 0-65535")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ConfigError("an --api-key must be non-empty, without surrounding spaces")
+        if self.protect_metrics and not self.api_keys:
+            raise ConfigError("--protect-metrics needs --api-key")
+        if self.shutdown_timeout < 0:
+            raise ConfigError("--shutdown-timeout-secs must be >= 0")
         for cidr in self.admin_allow_cidrs:
             try:
                 ipaddress.ip_network(cidr, strict=False)

@@ -99,9 +99,15 @@ class UpstreamResponse:
 
 
 class EngineClient:
-    def __init__(self, timeouts: Timeouts, pool: PoolLimits) -> None:
+    def __init__(
+        self, timeouts: Timeouts, pool: PoolLimits, probe_authorization: str | None = None
+    ) -> None:
         self._timeouts = timeouts
         self._pool = pool
+        # Engines started with vLLM's --api-key answer their /v1/* probes only with it.
+        self._probe_headers = (
+            {"Authorization": probe_authorization} if probe_authorization is not None else {}
+        )
         self._session: aiohttp.ClientSession | None = None
         self._probe_session: aiohttp.ClientSession | None = None
         # A whole answer: silence bounded by aiohttp's sock_read. A stream: no sock_read, as
@@ -131,7 +137,9 @@ class EngineClient:
             limit=_PROBE_CONNECTIONS, keepalive_timeout=self._pool.keepalive_expiry
         )
         self._probe_session = aiohttp.ClientSession(
-            connector=probes, timeout=aiohttp.ClientTimeout(total=self._timeouts.probe)
+            connector=probes,
+            timeout=aiohttp.ClientTimeout(total=self._timeouts.probe),
+            headers=self._probe_headers,
         )
 
     async def aclose(self) -> None:

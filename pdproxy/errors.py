@@ -4,7 +4,10 @@
     ├── BadRequest            400   the client's body or headers are unusable
     │   ├── UnsupportedMediaType 415
     │   └── PayloadTooLarge   413
+    ├── Unauthorized          401   no or a wrong client API key
+    ├── Overloaded            429   past --max-concurrent-requests and its queue (Retry-After)
     ├── NoEndpointAvailable   503   no routable prefill or decode instance
+    │   └── ShuttingDown      503   the proxy is draining
     ├── UpstreamError               an engine leg failed
     │   ├── UpstreamConnectError 503  could not connect; nothing was sent (retry-safe)
     │   ├── UpstreamTimeout   504   no answer in time; the request may have run
@@ -59,9 +62,29 @@ class PayloadTooLarge(BadRequest):
     error_type = "PayloadTooLargeError"
 
 
+class Unauthorized(ProxyError):
+    status = 401
+    error_type = "AuthenticationError"
+
+
+class Overloaded(ProxyError):
+    """Admission control refused the request; ``retry_after`` seconds go in Retry-After."""
+
+    status = 429
+    error_type = "RateLimitError"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class NoEndpointAvailable(ProxyError):
     status = 503
     error_type = "ServiceUnavailableError"
+
+
+class ShuttingDown(NoEndpointAvailable):
+    pass
 
 
 class UpstreamError(ProxyError):

@@ -86,6 +86,18 @@ class ProxyMetrics:
             ("outcome",),
             registry=registry,
         )
+        self.queue_depth = Gauge(
+            "pdproxy_queue_depth",
+            "Client requests waiting for an admission slot (--max-concurrent-requests).",
+            registry=registry,
+        )
+        self.admission_rejected = Counter(
+            "pdproxy_admission_rejected_total",
+            "Client requests refused with 429 by admission control, by reason"
+            " (queue_full, queue_timeout).",
+            ("reason",),
+            registry=registry,
+        )
         self._endpoint_labels: set[tuple[str, str]] = set()
 
     def count_request(self, endpoint: str, outcome: str) -> None:

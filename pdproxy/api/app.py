@@ -14,7 +14,9 @@ from prometheus_client import CollectorRegistry
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from pdproxy.admission import Admission
 from pdproxy.api.admin import router as admin_router
+from pdproxy.api.auth import ClientKeys
 from pdproxy.api.errors import error_response
 from pdproxy.api.info import router as info_router
 from pdproxy.api.openai import GenerationEndpoint
@@ -27,6 +29,7 @@ from pdproxy.errors import ProxyError
 from pdproxy.health import HealthChecker
 from pdproxy.kv_release import KVRelease
 from pdproxy.legs import Legs
+from pdproxy.lifecycle import Lifecycle
 from pdproxy.membership import Membership
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
@@ -102,7 +105,7 @@ def _build_state(
     rng: random.Random,
 ) -> AppState:
     registry = EndpointRegistry(clock)
-    client = EngineClient(config.timeouts, config.pool)
+    client = EngineClient(config.timeouts, config.pool, _bearer(config.engine_api_key))
     metrics = ProxyMetrics(metrics_registry)
     connector = load_connector(config)
     outliers = OutlierDetector(config.outlier, clock)
@@ -139,10 +142,26 @@ def _build_state(
         clock=clock,
     )
     state = AppState(
-        config, registry, client, metrics, orchestrator, membership, health, outliers, release
+        config,
+        registry,
+        client,
+        metrics,
+        orchestrator,
+        membership,
+        health,
+        outliers,
+        release,
+        keys=ClientKeys(config.api_keys),
+        lifecycle=Lifecycle(registry, lambda: state.in_flight),
+        admission=Admission(config.admission, metrics) if config.admission.enabled else None,
+        engine_authorization=_bearer(config.engine_api_key),
     )
     metrics.track_in_flight(lambda: state.in_flight)
     return state
+
+
+def _bearer(key: str | None) -> str | None:
+    return None if key is None else f"Bearer {key}"
 
 
 def _retry_budget(config: RetryConfig, clock: Callable[[], float]) -> RetryBudget:

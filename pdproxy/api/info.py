@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdproxy.api.errors import json_response
 from pdproxy.api.state import AppState
-from pdproxy.errors import UpstreamError
+from pdproxy.errors import Unauthorized, UpstreamError
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.types import BreakerState, Endpoint, Role
 
@@ -30,6 +30,18 @@ def _state(request: Request) -> AppState:
 async def health() -> Response:
     """Liveness: the proxy process serves HTTP."""
     return Response(status_code=200)
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness: a prefill and a decode are routable and the proxy is not draining."""
+    ok, reason = _state(request).lifecycle.ready()
+    return json_response({"ready": ok, "reason": reason}, status=200 if ok else 503)
+
+
+def _authorize(state: AppState, request: Request) -> None:
+    if state.keys.enabled and not state.keys.allows(request.headers.get("authorization")):
+        raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
 
 
 @router.get("/status")
@@ -80,6 +92,7 @@ def describe(endpoint: Endpoint, outliers: OutlierDetector) -> dict[str, Any]:
 async def models(request: Request) -> Response:
     """The union of the models the instances serve; an instance that fails is skipped."""
     state = _state(request)
+    _authorize(state, request)
     endpoints = [e for e in state.registry.all() if e.routable]
     answers = await asyncio.gather(*(_models_of(state, e) for e in endpoints))
     by_id: dict[str, dict[str, Any]] = {}
@@ -104,5 +117,7 @@ async def _models_of(state: AppState, endpoint: Endpoint) -> list[dict[str, Any]
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = _state(request)
+    if state.config.protect_metrics:
+        _authorize(state, request)
     state.membership.refresh_gauges()  # health and breaker state as of this scrape
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

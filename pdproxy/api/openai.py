@@ -18,8 +18,17 @@ from starlette.types import Message, Receive, Scope, Send
 
 from pdproxy.api.errors import JSON, error_body, internal_error
 from pdproxy.api.state import AppState
-from pdproxy.errors import BadRequest, PayloadTooLarge, ProxyError, UnsupportedMediaType
+from pdproxy.errors import (
+    BadRequest,
+    Overloaded,
+    PayloadTooLarge,
+    ProxyError,
+    ShuttingDown,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from pdproxy.exchange import ClientRequest, ProxyResponse
+from pdproxy.lifecycle import Lifecycle
 from pdproxy.relay import SSE_DONE, StreamRelay
 from pdproxy.shaping import MESSAGES, MODEL, PROMPT
 from pdproxy.types import ApiKind
@@ -46,19 +55,23 @@ class GenerationEndpoint:
         state.in_flight += 1
         outcome = "error"
         try:
-            request = await self._read_request(scope, receive, state.config.max_body_bytes)
+            headers = _headers(scope)
+            _admit(state, headers)
+            request = await self._read_request(headers, receive, state)
             outcome = await _serve(state, request, receive, send)
         except ProxyError as error:
             outcome = _outcome(error)
-            await _send_whole(send, *error_body(error))
+            await _send_error(send, error)
         except _ClientGone:
             outcome = "client_disconnected"
         finally:
             state.in_flight -= 1
             state.metrics.count_request(self.kind.value, outcome)
 
-    async def _read_request(self, scope: Scope, receive: Receive, limit: int) -> ClientRequest:
-        headers = _headers(scope)
+    async def _read_request(
+        self, headers: dict[str, str], receive: Receive, state: AppState
+    ) -> ClientRequest:
+        limit = state.config.max_body_bytes
         content_type = headers.get("content-type", "")
         if content_type.split(";", 1)[0].strip().lower() != JSON:
             raise UnsupportedMediaType("Content-Type must be application/json")
@@ -66,9 +79,17 @@ class GenerationEndpoint:
         if declared.isdigit() and int(declared) > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         body = _parse_body(await _read_body(receive, limit), self.kind)
-        return ClientRequest(
-            self.kind, body, headers.get("x-request-id"), headers.get("authorization")
-        )
+        # With an engine key the client's own never reaches an engine; else it passes through.
+        upstream_auth = state.engine_authorization or headers.get("authorization")
+        return ClientRequest(self.kind, body, headers.get("x-request-id"), upstream_auth)
+
+
+def _admit(state: AppState, headers: dict[str, str]) -> None:
+    """Refuse at once when draining (503) or without a valid client key (401)."""
+    if state.lifecycle.draining:
+        raise ShuttingDown("pdproxy is shutting down; retry on another replica")
+    if state.keys.enabled and not state.keys.allows(headers.get("authorization")):
+        raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
 
 
 async def _serve(state: AppState, request: ClientRequest, receive: Receive, send: Send) -> str:
@@ -76,19 +97,27 @@ async def _serve(state: AppState, request: ClientRequest, receive: Receive, send
     task = asyncio.current_task()
     disconnected = asyncio.Event()
     watcher = asyncio.create_task(_watch_disconnect(receive, task, disconnected))
+    admitted = False
     try:
+        if state.admission is not None:
+            await state.admission.acquire()  # a client that leaves stops waiting
+            admitted = True
         response = await _orchestrate(state, request, send)
         if response is None:
             return "error"
-        return await _send_response(send, response)
+        return await _send_response(send, response, state.lifecycle)
     except asyncio.CancelledError:
-        if not disconnected.is_set():
+        if disconnected.is_set():
+            _uncancel(task)
+            return "client_disconnected"
+        if not state.lifecycle.forced:
             raise
-        if task is not None:
-            task.uncancel()
-        return "client_disconnected"
+        _uncancel(task)  # the drain's grace is over and no answer has started
+        error = ShuttingDown("pdproxy shut down before the engines answered")
+        await _send_error(send, error)
+        return _outcome(error)
     except ProxyError as error:
-        await _send_whole(send, *error_body(error))
+        await _send_error(send, error)
         return _outcome(error)
     except Exception:
         # The response may have started: nothing more can be said to this client.
@@ -96,10 +125,21 @@ async def _serve(state: AppState, request: ClientRequest, receive: Receive, send
         return "error"
     finally:
         watcher.cancel()
+        if admitted and state.admission is not None:
+            state.admission.release()
+
+
+def _uncancel(task: asyncio.Task[Any] | None) -> None:
+    if task is not None:
+        task.uncancel()
 
 
 async def _orchestrate(state: AppState, request: ClientRequest, send: Send) -> ProxyResponse | None:
     """The orchestrator's answer; a proxy bug becomes a generic 500 (and None)."""
+    task = asyncio.current_task()
+    waiting = state.lifecycle.waiting
+    if task is not None:
+        waiting.add(task)  # until it answers, a drain past its grace may cancel it
     try:
         return await state.orchestrator.handle(request)
     except (ProxyError, asyncio.CancelledError):
@@ -108,6 +148,9 @@ async def _orchestrate(state: AppState, request: ClientRequest, send: Send) -> P
         logger.exception("unexpected failure serving %s", request.kind.value)
         await _send_whole(send, *error_body(internal_error()))
         return None
+    finally:
+        if task is not None:
+            waiting.discard(task)
 
 
 async def _watch_disconnect(
@@ -120,7 +163,7 @@ async def _watch_disconnect(
         task.cancel()
 
 
-async def _send_response(send: Send, response: ProxyResponse) -> str:
+async def _send_response(send: Send, response: ProxyResponse, lifecycle: Lifecycle) -> str:
     """Write the response; returns the outcome ("ok", or why a stream ended in error)."""
     headers = [
         (b"content-type", response.content_type.encode("latin-1")),
@@ -132,10 +175,12 @@ async def _send_response(send: Send, response: ProxyResponse) -> str:
         await send({"type": "http.response.body", "body": response.body})
         return "ok"
     headers.append((b"cache-control", b"no-cache"))
+    lifecycle.streams.add(response.stream)  # a drain past its grace ends it with an error event
     try:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await _send_stream(send, response.stream)
     finally:
+        lifecycle.streams.discard(response.stream)
         response.stream.close()
     failure = response.stream.failure
     return "ok" if failure is None else _outcome(failure)
@@ -154,10 +199,23 @@ async def _send_stream(send: Send, stream: StreamRelay) -> None:
         await send({"type": "http.response.body", "body": b""})
 
 
-async def _send_whole(send: Send, status: int, body: bytes, content_type: str) -> None:
-    headers = [(b"content-type", content_type.encode("latin-1"))]
+async def _send_whole(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: str,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
+    headers = [(b"content-type", content_type.encode("latin-1")), *extra]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send: Send, error: ProxyError) -> None:
+    extra: tuple[tuple[bytes, bytes], ...] = ()
+    if isinstance(error, Overloaded):
+        extra = ((b"retry-after", str(error.retry_after).encode("latin-1")),)
+    await _send_whole(send, *error_body(error), extra)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

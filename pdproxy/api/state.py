@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdproxy.admission import Admission
+from pdproxy.api.auth import ClientKeys
 from pdproxy.config import ProxyConfig
 from pdproxy.engine_client import EngineClient
 from pdproxy.health import HealthChecker
 from pdproxy.kv_release import KVRelease
+from pdproxy.lifecycle import Lifecycle
 from pdproxy.membership import Membership
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
@@ -26,4 +29,8 @@ class AppState:
     health: HealthChecker
     outliers: OutlierDetector
     release: KVRelease
+    keys: ClientKeys
+    lifecycle: Lifecycle
+    admission: Admission | None = None  # None: no --max-concurrent-requests
+    engine_authorization: str | None = None  # "Bearer <--engine-api-key>"
     in_flight: int = 0  # client requests being served

@@ -1,0 +1,52 @@
+"""uvicorn, with a graceful drain before its own shutdown.
+
+uvicorn's SIGTERM handling closes the listener at once and, in this version, re-raises the
+signal after shutdown (exit status 143). pdproxy's first SIGTERM or SIGINT instead starts
+the drain (``Lifecycle.drain``): the listener stays open so ``/ready`` can answer 503 and new
+requests are refused with 503, requests in flight finish within the grace, the rest are
+ended; then uvicorn shuts down in its order (listener, connections, lifespan: registry
+socket, health checks, background legs, pools) and the process exits 0. A second signal
+during the drain is uvicorn's: SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from types import FrameType
+
+import uvicorn
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining is not None or self._loop is None or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        # A signal handler runs between two bytecodes of the loop's thread: hand over.
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._draining is None:
+            self._draining = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain()
+        except Exception:  # never stay up because the drain failed
+            logger.exception("drain failed; shutting down")
+        self.should_exit = True
