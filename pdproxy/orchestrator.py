@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import random
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from pdproxy.types import Endpoint, PairDecision, Role, Snapshot
 
 __all__ = ["ClientRequest", "Orchestrator", "ProxyResponse"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class _Run:
@@ -46,6 +49,19 @@ class _Run:
     last_failed: dict[Role, str] = field(default_factory=dict)
     rounds: int = 0  # passes over an exhausted role, for the backoff
     trials: list[Endpoint] = field(default_factory=list)  # half-open trials it took
+
+
+def _log_decision(transfer: Transfer, why: str) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        decision = transfer.decision
+        logger.debug(
+            "%s: %s to prefill %s (dp rank %s), decode %s",
+            transfer.request_id,
+            why,
+            decision.prefill.url,
+            decision.prefill_dp_rank,
+            decision.decode.url,
+        )
 
 
 class Orchestrator:
@@ -101,6 +117,7 @@ class Orchestrator:
 
     async def _handle(self, request: ClientRequest, run: _Run) -> ProxyResponse:
         transfer = self._connector.begin(self._pick(run), request.request_id)
+        _log_decision(transfer, "routed")
         answer: dict[str, Any] | None = None
         while True:
             decoding = False
@@ -155,11 +172,16 @@ class Orchestrator:
         except NoEndpointAvailable:
             self._orphan(request, transfer, answer, failed)
             raise error from None
+        logger.debug("%s: %s leg failed (%s), retrying", transfer.request_id, error.leg, reason)
         if answer is not None:
             if self._connector.decode_retry_reuses_prefill(transfer, reason):
-                return dataclasses.replace(transfer, decision=decision), answer
+                retried = dataclasses.replace(transfer, decision=decision)
+                _log_decision(retried, "decode retried with the same prefill")
+                return retried, answer
             self._orphan(request, transfer, answer, failed)
-        return self._connector.begin(decision, request.request_id), None
+        fresh = self._connector.begin(decision, request.request_id)
+        _log_decision(fresh, "retried")
+        return fresh, None
 
     def _orphan(
         self,
