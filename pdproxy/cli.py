@@ -19,7 +19,9 @@ from pdproxy.config import (
     KV_CONNECTORS,
     TRANSFER_MODES,
     AdmissionConfig,
+    EngineTLS,
     HealthConfig,
+    ListenerTLS,
     OutlierConfig,
     PoolLimits,
     ProxyConfig,
@@ -254,6 +256,20 @@ def _registry_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--registry-host", default="0.0.0.0", help="Address the ZMQ registry binds to.")
     p.add_argument(
+        "--registry-allow-cidr",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="CIDR",
+        help="Networks heartbeats are accepted from (default: any).",
+    )
+    p.add_argument(
+        "--registry-max-message-bytes",
+        type=int,
+        default=64 * 1024,
+        help="Largest registration message; a peer sending a larger one is disconnected.",
+    )
+    p.add_argument(
         "--registry-ttl",
         type=float,
         default=5.0,
@@ -298,6 +314,21 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
         "Authorization is not passed on); prefer --engine-api-key-file.",
     )
     p.add_argument("--engine-api-key-file", default=None, help="File holding --engine-api-key.")
+    p.add_argument("--ssl-keyfile", default=None, help="Private key of pdproxy's HTTPS listener.")
+    p.add_argument("--ssl-certfile", default=None, help="Certificate of the HTTPS listener.")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA that signs client certificates.")
+    p.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="Client certificates: 0 none, 1 optional, 2 required (as uvicorn and vLLM).",
+    )
+    p.add_argument(
+        "--engine-ca-certs", default=None, help="CA of https:// engines (else the system's)."
+    )
+    p.add_argument("--engine-client-cert", default=None, help="Client certificate for mTLS.")
+    p.add_argument("--engine-client-key", default=None, help="Its private key.")
 
 
 def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
@@ -467,7 +498,22 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Pr
             keepalive_expiry=args.keepalive_expiry_secs,
         ),
         registry=RegistryConfig(
-            port=args.registry_port, host=args.registry_host, ttl=args.registry_ttl
+            port=args.registry_port,
+            host=args.registry_host,
+            ttl=args.registry_ttl,
+            allow_cidrs=tuple(args.registry_allow_cidr or ()),
+            max_message_bytes=args.registry_max_message_bytes,
+        ),
+        tls=ListenerTLS(
+            keyfile=args.ssl_keyfile,
+            certfile=args.ssl_certfile,
+            ca_certs=args.ssl_ca_certs,
+            cert_reqs=args.ssl_cert_reqs,
+        ),
+        engine_tls=EngineTLS(
+            ca_certs=args.engine_ca_certs,
+            certfile=args.engine_client_cert,
+            keyfile=args.engine_client_key,
         ),
         log_level=args.log_level,
         access_log=args.access_log,
@@ -519,5 +565,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         proxy_headers=False,
         # The drain has already ended every request when uvicorn's own shutdown starts.
         timeout_graceful_shutdown=5,
+        ssl_keyfile=config.tls.keyfile,
+        ssl_certfile=config.tls.certfile,
+        ssl_ca_certs=config.tls.ca_certs,
+        ssl_cert_reqs=config.tls.cert_reqs,
     )
     DrainingServer(server_config, lambda: state.lifecycle.drain(config.shutdown_timeout)).run()

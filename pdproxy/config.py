@@ -208,6 +208,46 @@ class OutlierConfig:
             raise ConfigError("--max-ejection-percent must be in 0-100")
 
 
+CERT_REQS = (0, 1, 2)  # ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED, as uvicorn and vLLM
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListenerTLS:
+    """HTTPS to clients (uvicorn's and vLLM's --ssl-* flags); ``cert_reqs`` 2 with
+    ``ca_certs`` demands a client certificate signed by that CA."""
+
+    keyfile: str | None = None
+    certfile: str | None = None
+    ca_certs: str | None = None
+    cert_reqs: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.keyfile is None) != (self.certfile is None):
+            raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
+        if self.cert_reqs not in CERT_REQS:
+            raise ConfigError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)")
+        if self.cert_reqs and (self.certfile is None or self.ca_certs is None):
+            raise ConfigError("--ssl-cert-reqs needs --ssl-certfile and --ssl-ca-certs")
+
+    @property
+    def enabled(self) -> bool:
+        return self.certfile is not None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineTLS:
+    """HTTPS to ``https://`` engines: the CA that signed them (else the system's), and a
+    client certificate for mTLS."""
+
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.keyfile is None) != (self.certfile is None):
+            raise ConfigError("--engine-client-cert and --engine-client-key go together")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdmissionConfig:
     """At most ``max_concurrent`` client requests served at once (0: no limit) and at most
@@ -240,10 +280,18 @@ class RegistryConfig:
     ttl: float = 5.0
     sweep_interval: float = 1.0
     max_message_bytes: int = 64 * 1024
+    allow_cidrs: tuple[str, ...] = ()  # networks heartbeats may come from; () = any
 
     def __post_init__(self) -> None:
         if self.port is not None and not 1 <= self.port <= 65535:
             raise ConfigError("registry port must be in 1-65535")
+        if not 256 <= self.max_message_bytes <= 16 * 1024 * 1024:
+            raise ConfigError("--registry-max-message-bytes must be in 256 B - 16 MiB")
+        for cidr in self.allow_cidrs:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError as exc:
+                raise ConfigError(f"--registry-allow-cidr {cidr!r} is not a CIDR") from exc
         if self.ttl <= 0 or self.sweep_interval <= 0:
             raise ConfigError("registry ttl and sweep interval must be positive")
 
@@ -271,6 +319,8 @@ class ProxyConfig:
     engine_api_key: str | None = field(default=None, repr=False)  # pdproxy's key to engines
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     shutdown_timeout: float = 30.0
+    tls: ListenerTLS = field(default_factory=ListenerTLS)
+    engine_tls: EngineTLS = field(default_factory=EngineTLS)
     log_level: str = "info"
     access_log: bool = False
 
