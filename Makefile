@@ -38,8 +38,10 @@ check: install
 	$(VENV)/bin/lint-imports
 
 ## bench: direct-to-decode vs through pdproxy, against sim engines, in one run
+## (BENCH_ARGS="--only a c --api-key" also measures the cost of a client key, same run)
+BENCH_ARGS ?=
 bench: install
-	$(PY) -m bench.run
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

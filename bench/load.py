@@ -43,10 +43,12 @@ def body(max_tokens: int, model: str, tag: str = "") -> bytes:
     )
 
 
-async def _one(session: aiohttp.ClientSession, url: str, payload: bytes) -> float:
+async def _one(
+    session: aiohttp.ClientSession, url: str, payload: bytes, headers: dict[str, str]
+) -> float:
     started = time.perf_counter()
     first = 0.0
-    async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as r:
+    async with session.post(url, data=payload, headers=headers) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}")
         async for _ in r.content.iter_any():
@@ -63,11 +65,15 @@ async def run(
     max_tokens: int,
     model: str = "sim-model",
     unique_prompts: bool = False,
+    api_key: str | None = None,
 ) -> Result:
     """``unique_prompts`` gives each request its own prompt, so no engine's prefix cache
     stands in for a prefill or a KV transfer (real engines)."""
     url = base_url + "/v1/completions"
     payload = body(max_tokens, model)
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
     ttft: list[float] = []
     errors = 0
     remaining = total
@@ -78,7 +84,7 @@ async def run(
             remaining -= 1
             data = body(max_tokens, model, f"[{uuid.uuid4().hex}] ") if unique_prompts else payload
             try:
-                ttft.append(await _one(session, url, data))
+                ttft.append(await _one(session, url, data, headers))
             except (RuntimeError, aiohttp.ClientError):
                 errors += 1
 

@@ -60,7 +60,7 @@ def sim_args(port: int, role: str, decode_tps: float) -> list[str]:
     ]
 
 
-def proxy_args(port: int, prefill: str, decode: str) -> list[str]:
+def proxy_args(port: int, prefill: str, decode: str, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -75,4 +75,5 @@ def proxy_args(port: int, prefill: str, decode: str) -> list[str]:
         decode,
         "--log-level",
         "warning",
+        *extra,
     ]

@@ -9,12 +9,14 @@ time per request (from /proc). Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import platform
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench import load
@@ -48,21 +50,34 @@ class Deployment:
     proxy_url: str
     proxy_pid: int
     model: str
+    keyed_url: str | None = None  # a second pdproxy that checks a client key (--api-key)
+    keyed_pid: int = 0
+
+
+BENCH_KEY = "sk-bench-5f3c9a1e"
 
 
 @contextlib.asynccontextmanager
-async def sim_deployment(decode_tps: float, logdir: str) -> AsyncIterator[Deployment]:
-    """One prefill sim, one decode sim and pdproxy, each its own process."""
-    p_port, d_port, x_port = free_ports(3)
-    p_url, d_url, x_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, x_port))
-    with (
-        process(sim_args(p_port, "prefill", decode_tps), f"{logdir}/prefill.log"),
-        process(sim_args(d_port, "decode", decode_tps), f"{logdir}/decode.log"),
-        process(proxy_args(x_port, p_url, d_url), f"{logdir}/proxy.log") as proxy,
-    ):
-        for url in (p_url, d_url, x_url):
+async def sim_deployment(
+    decode_tps: float, logdir: str, keyed: bool = False
+) -> AsyncIterator[Deployment]:
+    """One prefill sim, one decode sim and pdproxy, each its own process; with ``keyed``, a
+    second pdproxy in front of the same sims that checks a client key."""
+    p_port, d_port, x_port, k_port = free_ports(4)
+    p_url, d_url, x_url, k_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, x_port, k_port))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process(sim_args(p_port, "prefill", decode_tps), f"{logdir}/p.log"))
+        stack.enter_context(process(sim_args(d_port, "decode", decode_tps), f"{logdir}/d.log"))
+        proxy = stack.enter_context(process(proxy_args(x_port, p_url, d_url), f"{logdir}/x.log"))
+        keyed_pid = 0
+        if keyed:
+            key_file = f"{logdir}/client.key"
+            await asyncio.to_thread(Path(key_file).write_text, BENCH_KEY)
+            args = proxy_args(k_port, p_url, d_url, "--api-key-file", key_file)
+            keyed_pid = stack.enter_context(process(args, f"{logdir}/k.log")).pid
+        for url in (p_url, d_url, x_url, *([k_url] if keyed else [])):
             await wait_healthy(url)
-        yield Deployment(d_url, x_url, proxy.pid, "sim-model")
+        yield Deployment(d_url, x_url, proxy.pid, "sim-model", k_url if keyed else None, keyed_pid)
 
 
 @contextlib.asynccontextmanager
@@ -80,9 +95,11 @@ async def real_deployment(logdir: str) -> AsyncIterator[Deployment]:
             yield Deployment(pair.decode_url, x_url, proxy.pid, pair.model)
 
 
-async def measure(scenario: Scenario, logdir: str) -> dict[str, float]:
+async def measure(scenario: Scenario, logdir: str, keyed: bool) -> dict[str, float]:
     deployment = (
-        real_deployment(logdir) if scenario.real else sim_deployment(scenario.decode_tps, logdir)
+        real_deployment(logdir)
+        if scenario.real
+        else sim_deployment(scenario.decode_tps, logdir, keyed)
     )
     async with deployment as d:
         decode_url, proxy_url, pid = d.decode_url, d.proxy_url, d.proxy_pid
@@ -99,7 +116,9 @@ async def measure(scenario: Scenario, logdir: str) -> dict[str, float]:
         cpu_before = cpu_seconds(pid)
         proxied = await load.run(proxy_url, total=scenario.total, **warm)
         cpu = cpu_seconds(pid) - cpu_before
+        keyed_figures = await _keyed(d, scenario, warm, warmup, proxied.requests, cpu)
     return {
+        **keyed_figures,
         "direct_rps": direct.rps,
         "proxied_rps": proxied.rps,
         "direct_p50": direct.ttft_p50_ms,
@@ -110,6 +129,39 @@ async def measure(scenario: Scenario, logdir: str) -> dict[str, float]:
         "cpu_ms": 1000 * cpu / max(proxied.requests, 1),
         "errors": direct.errors + proxied.errors,
     }
+
+
+async def _keyed(
+    d: Deployment, scenario: Scenario, warm: dict[str, Any], warmup: int, n: int, cpu: float
+) -> dict[str, float]:
+    """The same load through the pdproxy that checks a client key, then once more through
+    each, alternately, so both CPU figures come from the same run and machine state."""
+    if d.keyed_url is None:
+        return {}
+    await load.run(d.keyed_url, total=warmup, api_key=BENCH_KEY, **warm)
+    cpu_plain, cpu_keyed, n_plain, n_keyed = cpu, 0.0, n, 0
+    for url, pid, key in (
+        (d.keyed_url, d.keyed_pid, BENCH_KEY),
+        (d.proxy_url, d.proxy_pid, None),
+        (d.keyed_url, d.keyed_pid, BENCH_KEY),
+    ):
+        before = cpu_seconds(pid)
+        result = await load.run(url, total=scenario.total, api_key=key, **warm)
+        spent = cpu_seconds(pid) - before
+        if key is None:
+            cpu_plain, n_plain = cpu_plain + spent, n_plain + result.requests
+        else:
+            cpu_keyed, n_keyed = cpu_keyed + spent, n_keyed + result.requests
+    plain_ms = 1000 * cpu_plain / max(n_plain, 1)
+    keyed_ms = 1000 * cpu_keyed / max(n_keyed, 1)
+    return {"cpu_plain_ms": plain_ms, "cpu_keyed_ms": keyed_ms, "key_cost": keyed_ms / plain_ms - 1}
+
+
+KEY_COLUMNS = (
+    ("CPU/request, no key", "cpu_plain_ms", "{:.3f} ms"),
+    ("CPU/request, --api-key", "cpu_keyed_ms", "{:.3f} ms"),
+    ("key's cost", "key_cost", "{:+.1%}"),
+)
 
 
 def verdict(scenario: Scenario, row: dict[str, float]) -> str:
@@ -139,21 +191,26 @@ COLUMNS = (
 
 
 def table(rows: list[tuple[Scenario, dict[str, float]]]) -> str:
-    header = ["scenario", *(title for title, _, _ in COLUMNS), "target"]
+    columns = COLUMNS + (KEY_COLUMNS if any("key_cost" in r for _, r in rows) else ())
+    header = ["scenario", *(title for title, _, _ in columns), "target"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s, r in rows:
-        cells = [s.name, *(fmt.format(r[key]) for _, key, fmt in COLUMNS), verdict(s, r)]
+        cells = [s.name, *(_cell(fmt, r, key) for _, key, fmt in columns), verdict(s, r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-async def main_async(names: list[str] | None) -> None:
+def _cell(fmt: str, row: dict[str, float], key: str) -> str:
+    return fmt.format(row[key]) if key in row else "—"
+
+
+async def main_async(names: list[str] | None, keyed: bool) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdproxy-bench-") as logdir:
         for scenario in SCENARIOS:
             if names and not any(scenario.name.startswith(f"({n})") for n in names):
                 continue
-            rows.append((scenario, await measure(scenario, logdir)))
+            rows.append((scenario, await measure(scenario, logdir, keyed)))
             print(f"done: {scenario.name}", flush=True)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     print(f"\nmachine: {machine}\n")
@@ -163,10 +220,16 @@ async def main_async(names: list[str] | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", nargs="*", help="scenario letters to run, e.g. a c")
+    parser.add_argument(
+        "--api-key",
+        action="store_true",
+        help="Also run each simulated scenario through a pdproxy that checks a client key, "
+        "alternating with the plain one in the same run, and report the key's cost.",
+    )
     args = parser.parse_args()
     import uvloop
 
-    uvloop.run(main_async(args.only))
+    uvloop.run(main_async(args.only, args.api_key))
 
 
 if __name__ == "__main__":
