@@ -4,12 +4,19 @@ One ``ClientSession`` for the request legs and one small one for probes, both cr
 app's lifespan. aiohttp's exceptions are mapped here to ``pdproxy.errors`` (httpx's
 ``map_httpcore_exceptions`` pattern) so nothing above this module sees aiohttp. The mapping
 keeps retry-safety apart: ``UpstreamConnectError`` means nothing reached the engine.
+
+``https://`` engines are verified by aiohttp's defaults, or, given ``EngineTLS``, by one
+``SSLContext`` (its CA, and a client certificate for mTLS) shared by both pools. A failed
+or refused TLS handshake is a connect error: the engine never read the request. (A TLS 1.3
+engine that refuses pdproxy's certificate by a reset, as uvicorn does, looks like any reset.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import ssl
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -18,8 +25,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pdproxy.config import PoolLimits, Timeouts
+from pdproxy.config import EngineTLS, PoolLimits, Timeouts
 from pdproxy.errors import (
+    ConfigError,
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
@@ -36,9 +44,19 @@ _PROBE_CONNECTIONS = 16
 
 _FAILURES = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
+# OpenSSL reasons of the alerts a server sends when it refuses the handshake over
+# certificates; TLS 1.3 lets one arrive after the client's handshake has ended (so aiohttp
+# raises it while reading), but the server never read the request.
+_REFUSED_HANDSHAKE = re.compile(r"ALERT_(\w*CERTIFICATE\w*|UNKNOWN_CA|ACCESS_DENIED)")
+
 
 def _translate(exc: BaseException, leg: str, url: str) -> UpstreamError:
     """The most specific pdproxy error for an aiohttp/asyncio failure."""
+    tls_reason = _tls_failure(exc)
+    if tls_reason is not None:
+        return UpstreamConnectError(
+            f"TLS handshake with {leg} engine {url} failed ({tls_reason})", leg=leg
+        )
     if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
         return UpstreamConnectError(f"cannot connect to {leg} engine {url}", leg=leg)
     if isinstance(exc, (aiohttp.SocketTimeoutError, asyncio.TimeoutError)):
@@ -46,6 +64,40 @@ def _translate(exc: BaseException, leg: str, url: str) -> UpstreamError:
     return UpstreamProtocolError(
         f"{leg} engine {url} broke the connection ({type(exc).__name__})", leg=leg
     )
+
+
+def _tls_failure(exc: BaseException) -> str | None:
+    """OpenSSL's reason when ``exc`` is a failed or refused handshake, else None."""
+    if isinstance(exc, aiohttp.ClientSSLError):  # failed while connecting
+        error = exc.os_error
+        if isinstance(error, ssl.SSLCertVerificationError):  # which check: CA, name, dates
+            return f"{error.reason}: {error.verify_message}"
+        return getattr(error, "reason", None) or "TLS error"
+    cause = exc.__cause__
+    if isinstance(cause, ssl.SSLError) and _REFUSED_HANDSHAKE.search(cause.reason or ""):
+        return str(cause.reason)
+    return None
+
+
+def _client_ssl(tls: EngineTLS | None) -> ssl.SSLContext | bool:
+    """The context both pools verify ``https://`` engines with; True: aiohttp's default."""
+    if tls is None or (tls.ca_certs is None and tls.certfile is None):
+        return True
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_certs)
+    except OSError as exc:
+        raise _unloadable(f"--engine-ca-certs {tls.ca_certs}", exc) from exc
+    if tls.certfile is not None:
+        try:
+            context.load_cert_chain(tls.certfile, tls.keyfile)
+        except OSError as exc:
+            raise _unloadable(f"--engine-client-cert {tls.certfile} (or its key)", exc) from exc
+    return context
+
+
+def _unloadable(what: str, exc: OSError) -> ConfigError:
+    # strerror only: OpenSSL's reason or the OS's, never the file's bytes
+    return ConfigError(f"cannot load {what}: {exc.strerror or type(exc).__name__}")
 
 
 @contextlib.contextmanager
@@ -100,10 +152,16 @@ class UpstreamResponse:
 
 class EngineClient:
     def __init__(
-        self, timeouts: Timeouts, pool: PoolLimits, probe_authorization: str | None = None
+        self,
+        timeouts: Timeouts,
+        pool: PoolLimits,
+        probe_authorization: str | None = None,
+        *,
+        tls: EngineTLS | None = None,
     ) -> None:
         self._timeouts = timeouts
         self._pool = pool
+        self._tls = tls
         # Engines started with vLLM's --api-key answer their /v1/* probes only with it.
         self._probe_headers = (
             {"Authorization": probe_authorization} if probe_authorization is not None else {}
@@ -120,10 +178,13 @@ class EngineClient:
         self._totals: dict[float, aiohttp.ClientTimeout] = {}
 
     async def start(self) -> None:
+        """Open both pools; raises ``ConfigError`` when the engine TLS files do not load."""
+        verify = _client_ssl(self._tls)
         legs = aiohttp.TCPConnector(
             limit=self._pool.max_connections,
             limit_per_host=self._pool.max_connections_per_host,
             keepalive_timeout=self._pool.keepalive_expiry,
+            ssl=verify,
         )
         self._session = aiohttp.ClientSession(
             connector=legs,
@@ -134,7 +195,7 @@ class EngineClient:
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
         probes = aiohttp.TCPConnector(
-            limit=_PROBE_CONNECTIONS, keepalive_timeout=self._pool.keepalive_expiry
+            limit=_PROBE_CONNECTIONS, keepalive_timeout=self._pool.keepalive_expiry, ssl=verify
         )
         self._probe_session = aiohttp.ClientSession(
             connector=probes,

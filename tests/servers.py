@@ -26,8 +26,10 @@ class RunningProxy:
 
 @contextlib.asynccontextmanager
 async def running_proxy(config: ProxyConfig) -> AsyncIterator[RunningProxy]:
-    """pdproxy under a real uvicorn on 127.0.0.1 and a free port, on the current loop."""
+    """pdproxy under a real uvicorn on 127.0.0.1 and a free port, on the current loop;
+    ``https://`` when ``config.tls`` is enabled, with uvicorn's ssl_* settings as the CLI's."""
     app = create_app(config)
+    tls = config.tls
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -38,6 +40,10 @@ async def running_proxy(config: ProxyConfig) -> AsyncIterator[RunningProxy]:
             log_config=None,
             access_log=False,
             lifespan="on",
+            ssl_keyfile=tls.keyfile,
+            ssl_certfile=tls.certfile,
+            ssl_ca_certs=tls.ca_certs,
+            ssl_cert_reqs=tls.cert_reqs,
         )
     )
     task = asyncio.create_task(server.serve())
@@ -49,7 +55,8 @@ async def running_proxy(config: ProxyConfig) -> AsyncIterator[RunningProxy]:
         if not server.started:
             raise RuntimeError("pdproxy did not start")
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield RunningProxy(f"http://127.0.0.1:{port}", app, server)
+        scheme = "https" if tls.enabled else "http"
+        yield RunningProxy(f"{scheme}://127.0.0.1:{port}", app, server)
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)

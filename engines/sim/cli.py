@@ -11,9 +11,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engines.sim.config import REGISTER_FORMATS, TRANSFER_MODES, Faults, SimConfig
+from engines.sim.config import CERT_REQS, REGISTER_FORMATS, TRANSFER_MODES, Faults, SimConfig
 from engines.sim.connectors import CONNECTORS
-from engines.sim.server import SimServer
+from engines.sim.server import SimServer, server_ssl_context
 
 log = logging.getLogger("engines.sim")
 CRASH_EXIT_CODE = 137  # what a shell reports for a SIGKILLed process (128 + 9)
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_id_connector_flags(p, d)
     _add_register_flags(p, d)
     _add_timing_flags(p, d)
+    _add_tls_flags(p, d)
     _add_fault_flags(p)
     add("--log-level", default="info", help="Logging level.")
     return p
@@ -175,6 +176,20 @@ def _add_timing_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
     )
 
 
+def _add_tls_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
+    add = p.add_argument
+    add("--ssl-keyfile", default=d.ssl_keyfile, help="Private key of the HTTPS listener.")
+    add("--ssl-certfile", default=d.ssl_certfile, help="Certificate; set, the sim serves HTTPS.")
+    add("--ssl-ca-certs", default=d.ssl_ca_certs, help="CA that signs client certificates.")
+    add(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=CERT_REQS,
+        default=d.ssl_cert_reqs,
+        help="Client certificates: 0 none, 1 optional, 2 required (as vLLM).",
+    )
+
+
 def _add_fault_flags(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
     add(
@@ -284,6 +299,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             "max_running",
             "keep_alive_s",
             "record_limit",
+            "ssl_keyfile",
+            "ssl_certfile",
+            "ssl_ca_certs",
+            "ssl_cert_reqs",
         )
     }
     if args.engine_id:
@@ -322,6 +341,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as exc:
         log.error("invalid configuration: %s", exc)
+        sys.exit(1)
+    try:
+        server_ssl_context(config)  # read again at start; here for a one-line error
+    except OSError as exc:
+        log.error("cannot load the --ssl-* files: %s", exc.strerror or exc)
         sys.exit(1)
     try:
         import uvloop

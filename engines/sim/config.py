@@ -13,6 +13,7 @@ RegisterFormat = Literal["p2p", "moriio", "moriio-legacy"]
 TransferMode = Literal["READ", "WRITE"]
 REGISTER_FORMATS = ("p2p", "moriio", "moriio-legacy")
 TRANSFER_MODES = ("READ", "WRITE")
+CERT_REQS = (0, 1, 2)  # ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED, as vLLM's --ssl-cert-reqs
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ class SimConfig:
     prefix_cache_blocks: int = 8192  # capacity of the prefix cache, in blocks
     keep_alive_s: float = 5.0  # idle keep-alive timeout, as VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     record_limit: int = 10000  # how many request records /sim/requests keeps
+    # HTTPS as vLLM's --ssl-* flags (the KV side channel stays plain TCP)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None  # CA that signs client certificates
+    ssl_cert_reqs: int = 0  # 2: a client certificate signed by ssl_ca_certs is required
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
@@ -116,7 +122,21 @@ class SimConfig:
             raise ValueError("register_interval_s and kv_wait_timeout_s must be > 0")
         if self.connector == "example" and self.role != "both" and not self.kv_dir:
             raise ValueError("the example connector needs kv_dir")
+        self._validate_tls()
         self.faults.validate()
+
+    def _validate_tls(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together")
+        if self.ssl_cert_reqs not in CERT_REQS:
+            raise ValueError("ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required)")
+        if self.ssl_cert_reqs and (self.ssl_certfile is None or self.ssl_ca_certs is None):
+            raise ValueError("ssl_cert_reqs needs ssl_certfile and ssl_ca_certs")
+
+    @property
+    def tls(self) -> bool:
+        """True when the HTTP server speaks HTTPS."""
+        return self.ssl_certfile is not None
 
     @property
     def engine_ids(self) -> list[str]:

@@ -1,4 +1,8 @@
-"""Lifecycle of one sim engine: start on the current loop, refuse/restore, stop or crash."""
+"""Lifecycle of one sim engine: start on the current loop, refuse/restore, stop or crash.
+
+With ``ssl_certfile`` the HTTP listener speaks HTTPS, as vLLM's ``--ssl-*`` flags make
+uvicorn do; the KV side channel and the Mooncake bootstrap server stay plain TCP.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,13 +39,15 @@ class SimServer:
         self.state = ServerState(self.app.handle, config.keep_alive_s)
         self.port = config.port
         self._listener: asyncio.Server | None = None
+        self._ssl: ssl.SSLContext | None = None
         self._restore: asyncio.TimerHandle | None = None
         self._relisten: asyncio.Task[None] | None = None
         self.heartbeat: registration.Heartbeat | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{_url_host(self.config.host)}:{self.port}"
+        scheme = "https" if self.config.tls else "http"
+        return f"{scheme}://{_url_host(self.config.host)}:{self.port}"
 
     @property
     def zmq_address(self) -> str:
@@ -66,6 +73,7 @@ class SimServer:
         )
 
     async def start(self) -> None:
+        self._ssl = server_ssl_context(self.config)
         await self.engine.connector.start()
         await self._listen()
         self._apply_faults(self.config.faults)
@@ -145,6 +153,7 @@ class SimServer:
             self.port,
             reuse_address=True,
             backlog=2048,
+            ssl=self._ssl,
         )
         self.port = self._listener.sockets[0].getsockname()[1]
 
@@ -320,6 +329,18 @@ async def running_sim(
         yield handle
     finally:
         await handle.aclose()
+
+
+def server_ssl_context(config: SimConfig) -> ssl.SSLContext | None:
+    """The listener's context, built as uvicorn builds vLLM's; None for plain HTTP."""
+    if config.ssl_certfile is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    context.verify_mode = ssl.VerifyMode(config.ssl_cert_reqs)
+    if config.ssl_ca_certs is not None:
+        context.load_verify_locations(config.ssl_ca_certs)
+    return context
 
 
 def _url_host(host: str) -> str:

@@ -105,7 +105,9 @@ def _build_state(
     rng: random.Random,
 ) -> AppState:
     registry = EndpointRegistry(clock)
-    client = EngineClient(config.timeouts, config.pool, _bearer(config.engine_api_key))
+    client = EngineClient(
+        config.timeouts, config.pool, _bearer(config.engine_api_key), tls=config.engine_tls
+    )
     metrics = ProxyMetrics(metrics_registry)
     connector = load_connector(config)
     outliers = OutlierDetector(config.outlier, clock)
