@@ -99,6 +99,17 @@ class ProxyMetrics:
             registry=registry,
         )
         self._endpoint_labels: set[tuple[str, str]] = set()
+        self.registry_refused = Counter(
+            "pdproxy_registry_refused_total",
+            "Connections to the ZMQ registry refused: the peer is outside --registry-allow-cidr.",
+            registry=registry,
+        )
+        self.registry_mutes = Counter(
+            "pdproxy_registry_mutes_total",
+            "ZMQ registry peers muted for sending malformed messages too fast (their messages"
+            ' are then counted in pdproxy_registry_messages_total{outcome="muted"}).',
+            registry=registry,
+        )
 
     def count_request(self, endpoint: str, outcome: str) -> None:
         """Hot path: label children are cached, as ``labels()`` takes a lock per call."""
