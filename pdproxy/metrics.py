@@ -13,6 +13,15 @@ _LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._request_children: dict[tuple[str, str], Any] = {}
+        self._endpoint_labels: set[tuple[str, str]] = set()
+        self._define_requests(registry)
+        self._define_fleet(registry)
+        self._define_resilience(registry)
+        self._define_admission(registry)
+
+    def _define_requests(self, registry: CollectorRegistry) -> None:
+        """Client requests and their legs."""
         self.requests = Counter(
             "pdproxy_requests_total",
             "Client requests by endpoint and outcome (ok, client_disconnected, or the error type,"
@@ -31,16 +40,29 @@ class ProxyMetrics:
             "Client requests being served.",
             registry=registry,
         )
-        self._request_children: dict[tuple[str, str], Any] = {}
         self.kv_params_missing = Counter(
             "pdproxy_kv_params_missing_total",
             "Prefill answers that carried no kv_transfer_params (the decode recomputed).",
             registry=registry,
         )
+
+    def _define_fleet(self, registry: CollectorRegistry) -> None:
+        """Engine instances and the registry."""
         self.registry_messages = Counter(
             "pdproxy_registry_messages_total",
             "ZMQ registry messages by outcome.",
             ("outcome",),
+            registry=registry,
+        )
+        self.registry_refused = Counter(
+            "pdproxy_registry_refused_total",
+            "Connections to the ZMQ registry refused: the peer is outside --registry-allow-cidr.",
+            registry=registry,
+        )
+        self.registry_mutes = Counter(
+            "pdproxy_registry_mutes_total",
+            "ZMQ registry peers muted for sending malformed messages too fast (their messages"
+            ' are then counted in pdproxy_registry_messages_total{outcome="muted"}).',
             registry=registry,
         )
         self.endpoints = Gauge(
@@ -49,6 +71,21 @@ class ProxyMetrics:
             ("role", "state"),
             registry=registry,
         )
+        self.endpoint_healthy = Gauge(
+            "pdproxy_endpoint_healthy",
+            "1 while an instance passes its active health checks, else 0.",
+            ("role", "url"),
+            registry=registry,
+        )
+        self.endpoint_ejected = Gauge(
+            "pdproxy_endpoint_ejected",
+            "1 while an instance is ejected (breaker open or half-open), else 0.",
+            ("role", "url"),
+            registry=registry,
+        )
+
+    def _define_resilience(self, registry: CollectorRegistry) -> None:
+        """Retries, ejections and released KV."""
         self.retries = Counter(
             "pdproxy_retries_total",
             "Legs retried on another instance before the client's response started, by leg"
@@ -68,24 +105,15 @@ class ProxyMetrics:
             ("role", "url"),
             registry=registry,
         )
-        self.endpoint_healthy = Gauge(
-            "pdproxy_endpoint_healthy",
-            "1 while an instance passes its active health checks, else 0.",
-            ("role", "url"),
-            registry=registry,
-        )
-        self.endpoint_ejected = Gauge(
-            "pdproxy_endpoint_ejected",
-            "1 while an instance is ejected (breaker open or half-open), else 0.",
-            ("role", "url"),
-            registry=registry,
-        )
         self.released_kv = Counter(
             "pdproxy_released_kv_total",
             "Prefills whose KV no decode would read, released early on the engines, by outcome.",
             ("outcome",),
             registry=registry,
         )
+
+    def _define_admission(self, registry: CollectorRegistry) -> None:
+        """Admission control."""
         self.queue_depth = Gauge(
             "pdproxy_queue_depth",
             "Client requests waiting for an admission slot (--max-concurrent-requests).",
@@ -96,18 +124,6 @@ class ProxyMetrics:
             "Client requests refused with 429 by admission control, by reason"
             " (queue_full, queue_timeout).",
             ("reason",),
-            registry=registry,
-        )
-        self._endpoint_labels: set[tuple[str, str]] = set()
-        self.registry_refused = Counter(
-            "pdproxy_registry_refused_total",
-            "Connections to the ZMQ registry refused: the peer is outside --registry-allow-cidr.",
-            registry=registry,
-        )
-        self.registry_mutes = Counter(
-            "pdproxy_registry_mutes_total",
-            "ZMQ registry peers muted for sending malformed messages too fast (their messages"
-            ' are then counted in pdproxy_registry_messages_total{outcome="muted"}).',
             registry=registry,
         )
 

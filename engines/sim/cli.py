@@ -190,67 +190,28 @@ def _add_tls_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
     )
 
 
+# Fault flags as (flag, type or None for a switch, default, help); --fault-x-y sets Faults.x_y.
+_FAULT_FLAGS: tuple[tuple[str, type | None, Any, str], ...] = (
+    ("--fault-status", int, None, "Answer every generation request with this HTTP status."),
+    ("--fault-hang", None, False, "Accept generation requests, never answer."),
+    ("--fault-close-after-tokens", int, None, "Abort the TCP connection after N streamed tokens."),
+    ("--fault-refuse-connections", None, False, "Close the listening socket (clear to reopen)."),
+    ("--fault-slow-start-s", float, 0.0, "/health answers 503 for the first N seconds."),
+    ("--fault-headers-delay-s", float, 0.0, "Generation: wait N s before sending anything."),
+    ("--fault-reset-after-bytes", int, None, "Generation: headers and N body bytes, then a reset."),
+    ("--fault-hang-after-tokens", int, None, "Go silent after N tokens until the client leaves."),
+    ("--fault-fail-kv-load", None, False, "A decode's remote KV load fails (policy fail)."),
+    ("--fault-health-delay-s", float, 0.0, "/health and /ping answer only after N seconds."),
+    ("--fault-health-status", int, None, "/health and /ping answer this status."),
+)
+
+
 def _add_fault_flags(p: argparse.ArgumentParser) -> None:
-    add = p.add_argument
-    add(
-        "--fault-status",
-        type=int,
-        default=None,
-        help="Answer every generation request with this HTTP status.",
-    )
-    add("--fault-hang", action="store_true", help="Accept generation requests, never answer.")
-    add(
-        "--fault-close-after-tokens",
-        type=int,
-        default=None,
-        help="Abort the TCP connection after N streamed tokens.",
-    )
-    add(
-        "--fault-refuse-connections",
-        action="store_true",
-        help="Close the listening socket (clear the fault to reopen it).",
-    )
-    add(
-        "--fault-slow-start-s",
-        type=float,
-        default=0.0,
-        help="/health answers 503 for the first N seconds.",
-    )
-    add(
-        "--fault-headers-delay-s",
-        type=float,
-        default=0.0,
-        help="Generation requests: wait N seconds before sending anything, then answer.",
-    )
-    add(
-        "--fault-reset-after-bytes",
-        type=int,
-        default=None,
-        help="Generation requests: send the headers and N body bytes, then reset the connection.",
-    )
-    add(
-        "--fault-hang-after-tokens",
-        type=int,
-        default=None,
-        help="Go silent after N tokens (the connection stays open) until the client leaves.",
-    )
-    add(
-        "--fault-fail-kv-load",
-        action="store_true",
-        help="A decode's remote KV load fails; the request fails (kv_load_failure_policy=fail).",
-    )
-    add(
-        "--fault-health-delay-s",
-        type=float,
-        default=0.0,
-        help="/health and /ping answer only after N seconds.",
-    )
-    add(
-        "--fault-health-status",
-        type=int,
-        default=None,
-        help="/health and /ping answer with this status; generation keeps working.",
-    )
+    for flag, kind, default, text in _FAULT_FLAGS:
+        if kind is None:
+            p.add_argument(flag, action="store_true", help=text)
+        else:
+            p.add_argument(flag, type=kind, default=default, help=text)
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:

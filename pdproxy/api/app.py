@@ -6,6 +6,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,7 +23,7 @@ from pdproxy.api.info import router as info_router
 from pdproxy.api.openai import GenerationEndpoint
 from pdproxy.api.state import AppState
 from pdproxy.config import ProxyConfig, RetryConfig
-from pdproxy.connectors import load_connector
+from pdproxy.connectors import KVConnector, load_connector
 from pdproxy.discovery.zmq import ZmqRegistry
 from pdproxy.engine_client import EngineClient
 from pdproxy.errors import ProxyError
@@ -98,67 +99,107 @@ def create_app(
     return app
 
 
+@dataclass(frozen=True, slots=True)
+class _Core:
+    """What every part of the state shares."""
+
+    registry: EndpointRegistry
+    client: EngineClient
+    metrics: ProxyMetrics
+    connector: KVConnector
+    outliers: OutlierDetector
+
+
 def _build_state(
     config: ProxyConfig,
     clock: Callable[[], float],
     metrics_registry: CollectorRegistry,
     rng: random.Random,
 ) -> AppState:
-    registry = EndpointRegistry(clock)
-    client = EngineClient(
-        config.timeouts, config.pool, _bearer(config.engine_api_key), tls=config.engine_tls
+    core = _Core(
+        registry=EndpointRegistry(clock),
+        client=EngineClient(
+            config.timeouts, config.pool, _bearer(config.engine_api_key), tls=config.engine_tls
+        ),
+        metrics=ProxyMetrics(metrics_registry),
+        connector=load_connector(config),
+        outliers=OutlierDetector(config.outlier, clock),
     )
-    metrics = ProxyMetrics(metrics_registry)
-    connector = load_connector(config)
-    outliers = OutlierDetector(config.outlier, clock)
-    health = HealthChecker(config.health, registry=registry, client=client, outliers=outliers)
+    health = HealthChecker(
+        config.health, registry=core.registry, client=core.client, outliers=core.outliers
+    )
     release = KVRelease(
-        connector=connector, client=client, registry=registry, outliers=outliers, metrics=metrics
-    )
-    legs = Legs(
-        connector=connector,
-        client=client,
-        timeouts=config.timeouts,
-        verdicts=Verdicts(outliers, registry, metrics),
-        metrics=metrics,
-    )
-    orchestrator = Orchestrator(
-        registry=registry,
-        scheduler=RoundRobinScheduler(),
-        connector=connector,
-        legs=legs,
-        outliers=outliers,
-        release=release,
-        retry=config.retry,
-        budget=_retry_budget(config.retry, clock),
-        metrics=metrics,
-        rng=rng,
+        connector=core.connector,
+        client=core.client,
+        registry=core.registry,
+        outliers=core.outliers,
+        metrics=core.metrics,
     )
     membership = Membership(
         config=config,
-        registry=registry,
-        client=client,
-        connector=connector,
-        metrics=metrics,
+        registry=core.registry,
+        client=core.client,
+        connector=core.connector,
+        metrics=core.metrics,
         health=health,
         clock=clock,
     )
+    orchestrator = _orchestrator(config, core, release, clock, rng)
+    return _app_state(config, core, orchestrator, membership, health, release)
+
+
+def _orchestrator(
+    config: ProxyConfig,
+    core: _Core,
+    release: KVRelease,
+    clock: Callable[[], float],
+    rng: random.Random,
+) -> Orchestrator:
+    legs = Legs(
+        connector=core.connector,
+        client=core.client,
+        timeouts=config.timeouts,
+        verdicts=Verdicts(core.outliers, core.registry, core.metrics),
+        metrics=core.metrics,
+    )
+    return Orchestrator(
+        registry=core.registry,
+        scheduler=RoundRobinScheduler(),
+        connector=core.connector,
+        legs=legs,
+        outliers=core.outliers,
+        release=release,
+        retry=config.retry,
+        budget=_retry_budget(config.retry, clock),
+        metrics=core.metrics,
+        rng=rng,
+    )
+
+
+def _app_state(
+    config: ProxyConfig,
+    core: _Core,
+    orchestrator: Orchestrator,
+    membership: Membership,
+    health: HealthChecker,
+    release: KVRelease,
+) -> AppState:
     state = AppState(
         config,
-        registry,
-        client,
-        metrics,
+        core.registry,
+        core.client,
+        core.metrics,
         orchestrator,
         membership,
         health,
-        outliers,
+        core.outliers,
         release,
         keys=ClientKeys(config.api_keys),
-        lifecycle=Lifecycle(registry, lambda: state.in_flight),
-        admission=Admission(config.admission, metrics) if config.admission.enabled else None,
+        lifecycle=Lifecycle(core.registry, lambda: state.in_flight),
+        admission=(Admission(config.admission, core.metrics) if config.admission.enabled else None),
         engine_authorization=_bearer(config.engine_api_key),
     )
-    metrics.track_in_flight(lambda: state.in_flight)
+    core.metrics.track_in_flight(lambda: state.in_flight)
     return state
 
 

@@ -1,0 +1,340 @@
+"""pdproxy's command-line flags, grouped by concern; one help sentence each.
+
+``cli`` turns the parsed flags (and ``PDPROXY_*`` variables) into a ``ProxyConfig``; this
+module only declares them, with their defaults taken from the config classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from pdproxy.config import (
+    KV_CONNECTORS,
+    TRANSFER_MODES,
+    AdmissionConfig,
+    HealthConfig,
+    OutlierConfig,
+    RetryConfig,
+    Timeouts,
+)
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdproxy",
+        description="Prefill/decode disaggregation proxy for vLLM. Every flag can also be set "
+        "as a PDPROXY_* environment variable (e.g. PDPROXY_KV_CONNECTOR=nixl).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for add_group in (
+        _instance_flags,
+        _server_flags,
+        _upstream_flags,
+        _retry_flags,
+        _health_flags,
+        _registry_flags,
+        _admin_flags,
+        _security_flags,
+        _lifecycle_flags,
+    ):
+        add_group(p)
+    return p
+
+
+def _instance_flags(p: argparse.ArgumentParser) -> None:
+    urls = "host:port or http(s)://host:port"
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+        help=f"Prefill instance(s), as {urls}; a port after one is its Mooncake bootstrap port.",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+        help=f"Decode instance(s), as {urls}.",
+    )
+    p.add_argument(
+        "--kv-connector",
+        default="nixl",
+        choices=sorted(KV_CONNECTORS),
+        help="The engines' KV connector, which fixes how the two legs are shaped.",
+    )
+    p.add_argument("--model", default=None, help="Only route to instances that serve this model.")
+    p.add_argument(
+        "--transfer-mode",
+        type=str.upper,
+        choices=TRANSFER_MODES,
+        default=None,
+        help="KV transfer mode all instances share (MoRIIO); by default the first one fixes it.",
+    )
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0", help="Address the proxy listens on.")
+    p.add_argument("--port", type=int, default=8000, help="Port the proxy listens on.")
+    p.add_argument(
+        "--max-body-bytes",
+        "--max-payload-size",
+        dest="max_body_bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="Largest request body accepted; larger ones get 413.",
+    )
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
+    p.add_argument(
+        "--access-log", action="store_true", help="Log one line per HTTP request (costs CPU)."
+    )
+
+
+# Numeric flags, as (flags, type, default, help): one line each, defaults from the config.
+_T, _R, _H, _O, _A = Timeouts(), RetryConfig(), HealthConfig(), OutlierConfig(), AdmissionConfig()
+NumberFlag = tuple[tuple[str, ...], type, float, str]
+
+UPSTREAM: tuple[NumberFlag, ...] = (
+    (
+        ("--connect-timeout-secs",),
+        float,
+        _T.connect,
+        "Seconds to wait for a TCP connection to an engine.",
+    ),
+    (
+        ("--request-timeout-secs",),
+        float,
+        _T.read,
+        "Seconds an engine may stay silent (before its answer or between two chunks).",
+    ),
+    (("--max-connections",), int, 0, "Cap on upstream connections in total (0 = no cap)."),
+    (
+        ("--max-connections-per-host",),
+        int,
+        0,
+        "Cap on upstream connections per engine (0 = no cap).",
+    ),
+    (
+        ("--keepalive-expiry-secs",),
+        float,
+        4.0,
+        "Idle pooled connections are closed after this, below vLLM's 5 s keep-alive.",
+    ),
+)
+RETRY: tuple[NumberFlag, ...] = (
+    (
+        ("--max-retries", "--retry-max-retries"),
+        int,
+        _R.max_retries,
+        "Retries of a failed leg on another instance before the response starts (0: none).",
+    ),
+    (
+        ("--prefill-timeout-secs",),
+        float,
+        _T.prefill,
+        "Seconds a prefill leg may take in all before it is retried elsewhere.",
+    ),
+    (
+        ("--decode-header-timeout-secs",),
+        float,
+        _T.decode_headers,
+        "Seconds to wait for a streaming decode's response headers before retrying elsewhere.",
+    ),
+    (
+        ("--retry-budget-ratio",),
+        float,
+        _R.budget_ratio,
+        "Retries allowed as a share of the requests of the last 10 s, fleet-wide.",
+    ),
+    (
+        ("--retry-budget-min-per-sec",),
+        float,
+        _R.budget_min_per_sec,
+        "Retries per second always allowed on top of the ratio.",
+    ),
+    (
+        ("--retry-initial-backoff-ms",),
+        float,
+        _R.initial_backoff * 1000,
+        "Backoff before retrying once every instance of a role was tried.",
+    ),
+    (("--retry-max-backoff-ms",), float, _R.max_backoff * 1000, "Longest such backoff."),
+)
+HEALTH: tuple[NumberFlag, ...] = (
+    (
+        ("--health-check-interval-secs",),
+        float,
+        _H.interval,
+        "Seconds between active health checks of every instance (0: off).",
+    ),
+    (("--health-check-timeout-secs",), float, _H.timeout, "Timeout of one health check."),
+    (
+        ("--health-failure-threshold",),
+        int,
+        _H.failure_threshold,
+        "Failed checks in a row that make an instance unhealthy (not routable).",
+    ),
+    (
+        ("--health-success-threshold",),
+        int,
+        _H.success_threshold,
+        "Passed checks in a row that make an unhealthy instance healthy again.",
+    ),
+    (
+        ("--outlier-consecutive-failures", "--cb-failure-threshold"),
+        int,
+        _O.consecutive_failures,
+        "Failed legs in a row that eject an instance from rotation (0: never eject).",
+    ),
+    (
+        ("--outlier-base-ejection-secs", "--cb-timeout-duration-secs"),
+        float,
+        _O.base_ejection,
+        "First ejection's length; it doubles on each re-ejection.",
+    ),
+    (("--outlier-max-ejection-secs",), float, _O.max_ejection, "Longest ejection."),
+    (
+        ("--overload-cooldown-secs",),
+        float,
+        _O.overload_cooldown,
+        "After an engine answers 429 or 408, send new requests to its peers first this long.",
+    ),
+    (
+        ("--max-ejection-percent",),
+        float,
+        _O.max_ejection_percent,
+        "Most of a role's instances ejected at once, in percent (never the last one).",
+    ),
+)
+LIFECYCLE: tuple[NumberFlag, ...] = (
+    (
+        ("--max-concurrent-requests",),
+        int,
+        _A.max_concurrent,
+        "Client requests served at once (0: no limit); more wait in the queue.",
+    ),
+    (
+        ("--max-queued-requests",),
+        int,
+        _A.max_queued,
+        "Requests that may wait for a slot; more get 429 at once.",
+    ),
+    (("--queue-timeout-secs",), float, _A.queue_timeout, "Longest wait for a slot before a 429."),
+    (
+        ("--shutdown-timeout-secs",),
+        float,
+        30.0,
+        "On SIGTERM, how long requests in flight may finish before their streams are ended.",
+    ),
+)
+
+
+def _numbers(p: argparse.ArgumentParser, table: Sequence[NumberFlag]) -> None:
+    for flags, kind, default, text in table:
+        p.add_argument(*flags, type=kind, default=default, help=text)
+
+
+def _upstream_flags(p: argparse.ArgumentParser) -> None:
+    _numbers(p, UPSTREAM)
+
+
+def _retry_flags(p: argparse.ArgumentParser) -> None:
+    _numbers(p, RETRY)
+
+
+def _health_flags(p: argparse.ArgumentParser) -> None:
+    _numbers(p, HEALTH)
+    p.add_argument(
+        "--health-check-endpoint", default=_H.endpoint, help="Path the health checks GET."
+    )
+
+
+def _registry_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--registry-port",
+        type=int,
+        default=None,
+        help="ZMQ registry port engines register with (off unless given; e.g. 30001, 36367).",
+    )
+    p.add_argument("--registry-host", default="0.0.0.0", help="Address the ZMQ registry binds to.")
+    p.add_argument(
+        "--registry-allow-cidr",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="CIDR",
+        help="Networks heartbeats are accepted from (default: any).",
+    )
+    p.add_argument(
+        "--registry-max-message-bytes",
+        type=int,
+        default=64 * 1024,
+        help="Largest registration message; a peer sending a larger one is disconnected.",
+    )
+    p.add_argument(
+        "--registry-ttl",
+        type=float,
+        default=5.0,
+        help="Seconds after its last heartbeat a registered instance is forgotten.",
+    )
+
+
+def _admin_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--admin-api-key-file",
+        default=None,
+        help="File holding the admin API key (else $ADMIN_API_KEY; with neither, admin is off).",
+    )
+    p.add_argument(
+        "--admin-allow-cidr",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="CIDR",
+        help="Networks the admin API may add instances from (default: any).",
+    )
+
+
+def _security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="KEY",
+        help="Keys clients must send as 'Authorization: Bearer KEY' (as vLLM's --api-key); "
+        "prefer --api-key-file or PDPROXY_API_KEY, which stay out of ps.",
+    )
+    p.add_argument("--api-key-file", default=None, help="File of client keys, one per line.")
+    p.add_argument(
+        "--protect-metrics", action="store_true", help="/metrics needs a client key too."
+    )
+    p.add_argument(
+        "--engine-api-key",
+        default=None,
+        help="Key pdproxy sends to engines started with vLLM's --api-key (then the client's "
+        "Authorization is not passed on); prefer --engine-api-key-file.",
+    )
+    p.add_argument("--engine-api-key-file", default=None, help="File holding --engine-api-key.")
+    p.add_argument("--ssl-keyfile", default=None, help="Private key of pdproxy's HTTPS listener.")
+    p.add_argument("--ssl-certfile", default=None, help="Certificate of the HTTPS listener.")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA that signs client certificates.")
+    p.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="Client certificates: 0 none, 1 optional, 2 required (as uvicorn and vLLM).",
+    )
+    p.add_argument(
+        "--engine-ca-certs", default=None, help="CA of https:// engines (else the system's)."
+    )
+    p.add_argument("--engine-client-cert", default=None, help="Client certificate for mTLS.")
+    p.add_argument("--engine-client-key", default=None, help="Its private key.")
+
+
+def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
+    _numbers(p, LIFECYCLE)
