@@ -35,6 +35,21 @@ class ProxyMetrics:
             registry=registry,
             buckets=_LEG_BUCKETS,
         )
+        self.ttft_seconds = Histogram(
+            "pdproxy_request_ttft_seconds",
+            "Client's time to first byte: from the request's arrival to the first body byte"
+            " sent back (the first SSE event of a stream, the whole body otherwise).",
+            ("endpoint",),
+            registry=registry,
+            buckets=_LEG_BUCKETS,
+        )
+        self.request_seconds = Histogram(
+            "pdproxy_request_duration_seconds",
+            "Client's end-to-end time: from the request's arrival to its last byte.",
+            ("endpoint",),
+            registry=registry,
+            buckets=_LEG_BUCKETS,
+        )
         self.in_flight = Gauge(
             "pdproxy_requests_in_flight",
             "Client requests being served.",

@@ -90,6 +90,29 @@ class EngineAddress:
         return self.url.split("://", 1)[1]
 
 
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    """One data-parallel rank's figures from its engine's ``/metrics``."""
+
+    rank: int
+    running: float
+    waiting: float
+    kv_usage: float  # 0..1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What an engine's ``/metrics`` said at one moment (vLLM's gauges): ``running`` and
+    ``waiting`` summed over its DP ranks, ``kv_usage`` the fullest rank's (0..1), and the
+    ranks themselves when the engine labels them (``engine="<rank>"``)."""
+
+    running: float
+    waiting: float
+    kv_usage: float
+    scraped_at: float  # monotonic
+    ranks: tuple[RankLoad, ...] = ()
+
+
 @dataclass(slots=True, kw_only=True)
 class Endpoint:
     """One engine instance as the proxy tracks it.
@@ -110,6 +133,10 @@ class Endpoint:
     # KV sources (NIXL: prefill engine ids) this decode has read from since it was last
     # seen healthy: a release through it is prompt. Insertion-ordered, capped.
     kv_sources: dict[str, None] = field(default_factory=dict)
+    # The engine's own load figures from its last /metrics scrape; None until one worked.
+    engine_load: EngineLoad | None = None
+    # Legs in flight per DP rank (index = rank), for rank balancing; grown on demand.
+    rank_in_flight: list[int] = field(default_factory=list)
 
     @property
     def url(self) -> str:
