@@ -163,6 +163,13 @@ def _add_timing_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
         help="Requests running at once; the rest wait in a FIFO queue.",
     )
     add(
+        "--prefill-concurrency",
+        type=int,
+        default=d.prefill_concurrency,
+        help="Prefills computing at once per DP rank (they share one accelerator); the rest "
+        "queue FIFO for compute while counted as running. 0 is unlimited.",
+    )
+    add(
         "--keep-alive-s",
         type=float,
         default=d.keep_alive_s,
@@ -258,6 +265,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             "prefill_us_per_token",
             "decode_tps",
             "max_running",
+            "prefill_concurrency",
             "keep_alive_s",
             "record_limit",
             "ssl_keyfile",

@@ -95,6 +95,7 @@ class SimConfig:
     prefill_us_per_token: float = 0.0
     decode_tps: float = 0.0
     max_running: int = 256
+    prefill_concurrency: int = 0  # prefill compute lanes per DP rank (FIFO); 0 = unlimited
     prefix_cache_blocks: int = 8192  # capacity of the prefix cache, in blocks
     keep_alive_s: float = 5.0  # idle keep-alive timeout, as VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     record_limit: int = 10000  # how many request records /sim/requests keeps
@@ -112,6 +113,8 @@ class SimConfig:
             raise ValueError("block_size, num_blocks and dp_size must be >= 1")
         if self.max_running < 1:
             raise ValueError("max_running must be >= 1")
+        if self.prefill_concurrency < 0:
+            raise ValueError("prefill_concurrency must be >= 0 (0 = unlimited)")
         if self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
         if self.transfer_mode not in TRANSFER_MODES:

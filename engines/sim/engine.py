@@ -9,10 +9,10 @@ from engines.sim import model
 from engines.sim.config import SimConfig
 from engines.sim.connectors import Connector, ConnectorDeps, create
 from engines.sim.kvstore import BlockPool, PrefixCache
-from engines.sim.metrics import Counters, Gauges
+from engines.sim.metrics import Counters, Gauges, RankGauges
 from engines.sim.openai_api import GenRequest
+from engines.sim.ranks import Rank, make_ranks
 from engines.sim.render import Outcome
-from engines.sim.scheduler import Scheduler
 
 Step = tuple[str, "str | None", "str | None"]  # (text piece, finish_reason, stop_reason)
 
@@ -24,9 +24,13 @@ class Prefill:
     external: int  # tokens whose KV came from a connector
     computed: int  # tokens computed here
 
-    def delay_s(self, cfg: SimConfig) -> float:
-        """Time to first token: fixed overhead plus the cost of the computed tokens."""
-        return cfg.ttft_ms / 1000 + cfg.prefill_us_per_token * self.computed / 1e6
+    def overhead_s(self, cfg: SimConfig) -> float:
+        """The fixed part of the time to first token (not compute: it never queues)."""
+        return cfg.ttft_ms / 1000
+
+    def compute_s(self, cfg: SimConfig) -> float:
+        """Compute time of the tokens computed here (cache hits and loaded KV cost nothing)."""
+        return cfg.prefill_us_per_token * self.computed / 1e6
 
 
 class Engine:
@@ -35,14 +39,30 @@ class Engine:
         self.counters = Counters()
         self.pool = BlockPool(config.num_blocks)
         self.prefix = PrefixCache(config.prefix_cache_blocks, config.block_size)
-        self.scheduler = Scheduler(config.max_running)
+        self.ranks = make_ranks(config.dp_size, config.max_running, config.prefill_concurrency)
         self.connector: Connector = create(ConnectorDeps(config, self.counters, self.pool))
-        self.running_blocks = 0
+
+    def rank_of(self, req: GenRequest) -> Rank:
+        """The engine core that runs `req`: its X-data-parallel-rank, else rank 0."""
+        return self.ranks[req.dp_rank or 0]
 
     def gauges(self) -> Gauges:
-        used = self.connector.held_blocks() + self.running_blocks
-        usage = min(1.0, used / self.config.num_blocks)
-        return Gauges(self.scheduler.running, self.scheduler.waiting, usage)
+        """Totals, and per rank; blocks held for remote decodes count on rank 0."""
+        held = self.connector.held_blocks()
+        per_rank = tuple(
+            RankGauges(
+                r.scheduler.running,
+                r.scheduler.waiting,
+                self._usage(r.running_blocks + (held if i == 0 else 0)),
+            )
+            for i, r in enumerate(self.ranks)
+        )
+        used = held + sum(r.running_blocks for r in self.ranks)
+        running = sum(g.running for g in per_rank)
+        return Gauges(running, sum(g.waiting for g in per_rank), self._usage(used), per_rank)
+
+    def _usage(self, blocks: int) -> float:
+        return min(1.0, blocks / self.config.num_blocks)
 
     def blocks_for(self, req: GenRequest) -> int:
         return -(-len(req.prompt_tokens) // self.config.block_size)

@@ -33,12 +33,13 @@ class Job:
 def can_inline(job: Job) -> bool:
     """Serve without a task: no delays, no network pull, a free slot."""
     eng = job.engine
+    scheduler = eng.rank_of(job.req).scheduler
     return (
         eng.config.instant
         and job.faults.hang_after_tokens is None
         and not eng.connector.must_fetch(job.req)
-        and eng.scheduler.running < eng.scheduler.max_running
-        and eng.scheduler.waiting == 0
+        and scheduler.running < scheduler.max_running
+        and scheduler.waiting == 0
     )
 
 
@@ -111,21 +112,21 @@ def _reset_after(job: Job, pieces: list[str], out: render.Outcome, limit: int) -
 
 async def serve_async(job: Job) -> None:
     """The slow path: wait for a slot, pull KV, pay prefill and decode time."""
-    eng = job.engine
+    rank = job.engine.rank_of(job.req)
     try:
-        await eng.scheduler.acquire()
+        await rank.scheduler.acquire()
     except asyncio.CancelledError:
         _on_cancel(job)
         return
-    blocks = eng.blocks_for(job.req)
-    eng.running_blocks += blocks
+    blocks = job.engine.blocks_for(job.req)
+    rank.running_blocks += blocks
     try:
         await _generate(job)
     except asyncio.CancelledError:
         _on_cancel(job)
     finally:
-        eng.running_blocks -= blocks
-        eng.scheduler.release()
+        rank.running_blocks -= blocks
+        rank.scheduler.release()
 
 
 async def _generate(job: Job) -> None:
@@ -136,7 +137,8 @@ async def _generate(job: Job) -> None:
         _fail_transfer(job, str(exc))
         return
     pre = eng.prefill(req, loaded if loaded is not None else eng.connector.load_now(req))
-    await asyncio.sleep(pre.delay_s(eng.config))
+    await asyncio.sleep(pre.overhead_s(eng.config))
+    await eng.rank_of(req).compute(pre.compute_s(eng.config))
     if req.stream and job.faults.reset_after_bytes is None:
         await _stream(job, pre)
         return

@@ -38,10 +38,25 @@ class Counters:
 
 
 @dataclass(frozen=True)
-class Gauges:
+class RankGauges:
+    """One DP rank's gauges; vLLM labels them `engine="<rank>"`."""
+
     running: int
     waiting: int
     kv_usage: float
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """Totals over the ranks, and `ranks` one by one (empty: rank 0 has the totals)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    ranks: tuple[RankGauges, ...] = ()
+
+    def per_rank(self) -> tuple[RankGauges, ...]:
+        return self.ranks or (RankGauges(self.running, self.waiting, self.kv_usage),)
 
 
 _SIM_COUNTERS = (
@@ -72,14 +87,7 @@ def render(c: Counters, g: Gauges, model: str) -> str:
     labels = f'engine="0",model_name="{model}"'
     out: list[str] = []
     add = _adder(out, labels)
-    add("vllm:num_requests_running", "gauge", "Requests in model execution batches.", g.running)
-    add("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", g.waiting)
-    add(
-        "vllm:kv_cache_usage_perc",
-        "gauge",
-        "KV-cache usage. 1 means 100 percent usage.",
-        g.kv_usage,
-    )
+    _gauges(out, model, g.per_rank())
     add(
         "vllm:prompt_tokens_total",
         "counter",
@@ -89,19 +97,19 @@ def render(c: Counters, g: Gauges, model: str) -> str:
     add(
         "vllm:generation_tokens_total",
         "counter",
-        "Number of generation tokens.",
+        "Number of generation tokens processed.",
         c.generation_tokens,
     )
     add(
         "vllm:prefix_cache_queries_total",
         "counter",
-        "Prefix cache queries, in tokens.",
+        "Prefix cache queries, in terms of number of queried tokens.",
         c.prefix_cache_queries,
     )
     add(
         "vllm:prefix_cache_hits_total",
         "counter",
-        "Prefix cache hits, in tokens.",
+        "Prefix cache hits, in terms of number of cached tokens.",
         c.prefix_cache_hits,
     )
     _by_source(out, labels, c)
@@ -109,6 +117,23 @@ def render(c: Counters, g: Gauges, model: str) -> str:
     for name, attr, help_text in _SIM_COUNTERS:
         add(name, "counter", help_text, getattr(c, attr))
     return "\n".join(out) + "\n"
+
+
+_RANK_GAUGES = (
+    ("vllm:num_requests_running", "running", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "waiting", "Number of requests waiting to be processed."),
+    ("vllm:kv_cache_usage_perc", "kv_usage", "KV-cache usage. 1 means 100 percent usage."),
+)
+
+
+def _gauges(out: list[str], model: str, ranks: tuple[RankGauges, ...]) -> None:
+    """One series per DP rank, as vLLM's PrometheusStatLogger (`engine` = the rank)."""
+    for name, attr, help_text in _RANK_GAUGES:
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} gauge")
+        for rank, g in enumerate(ranks):
+            value = float(getattr(g, attr))
+            out.append(f'{name}{{engine="{rank}",model_name="{model}"}} {value}')
 
 
 def _adder(out: list[str], labels: str) -> Callable[[str, str, str, float], None]:
