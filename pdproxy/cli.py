@@ -31,6 +31,12 @@ from pdproxy.config import (
 from pdproxy.errors import ConfigError
 from pdproxy.flags import build_parser
 from pdproxy.log import configure_logging
+from pdproxy.scheduling_config import (
+    DEFAULT_DECODE_POLICY,
+    DEFAULT_PREFILL_POLICY,
+    SchedulingConfig,
+)
+from pdproxy.tracing import require_otel, traces_url
 from pdproxy.types import EngineAddress
 
 ENV_PREFIX = "PDPROXY_"
@@ -47,7 +53,7 @@ def _apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> N
             continue
         if action.nargs == "+":
             defaults[action.dest] = raw.replace(",", " ").split()
-        elif action.const is True:
+        elif action.nargs == 0:  # a switch: store_true, or --flag/--no-flag
             defaults[action.dest] = raw.strip().lower() in ("1", "true", "yes", "on")
         else:
             try:
@@ -131,6 +137,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Pr
         admin_allow_cidrs=tuple(args.admin_allow_cidr or ()),
         api_keys=_client_keys(args),
         protect_metrics=args.protect_metrics,
+        dashboard=not args.no_dashboard,
         engine_api_key=_engine_key(args),
         admission=_admission(args),
         shutdown_timeout=args.shutdown_timeout_secs,
@@ -138,12 +145,15 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Pr
         retry=_retry(args),
         health=_health(args),
         outlier=_outlier(args),
+        scheduling=_scheduling(args),
         pool=_pool(args),
         registry=_registry(args),
         tls=_listener_tls(args),
         engine_tls=_engine_tls(args),
         log_level=args.log_level,
+        log_format=args.log_format,
         access_log=args.access_log,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -181,6 +191,23 @@ def _health(a: argparse.Namespace) -> HealthConfig:
         failure_threshold=a.health_failure_threshold,
         success_threshold=a.health_success_threshold,
         endpoint=a.health_check_endpoint,
+        engine_metrics_interval=a.engine_metrics_interval_secs,
+    )
+
+
+def _scheduling(a: argparse.Namespace) -> SchedulingConfig:
+    default = a.policy
+    return SchedulingConfig(
+        prefill_policy=a.prefill_policy or default or DEFAULT_PREFILL_POLICY,
+        decode_policy=a.decode_policy or default or DEFAULT_DECODE_POLICY,
+        session_header=a.session_header,
+        pd_threshold_tokens=a.pd_threshold_tokens,
+        decode_only_fallback=a.decode_only_fallback,
+        chars_per_token=a.chars_per_token,
+        prefix_block_chars=a.prefix_block_chars,
+        prefix_index_max_blocks=a.prefix_index_max_blocks,
+        balance_abs_threshold=a.balance_abs_threshold,
+        balance_rel_threshold=a.balance_rel_threshold,
     )
 
 
@@ -235,7 +262,11 @@ def parse_config(
     _apply_env(parser, environ)
     args = parser.parse_args(argv)
     try:
-        return config_from_args(args, environ)
+        config = config_from_args(args, environ)
+        if config.otlp_traces_endpoint is not None:
+            traces_url(config.otlp_traces_endpoint)
+            require_otel()
+        return config
     except ConfigError as exc:
         parser.error(str(exc))
     raise AssertionError("unreachable")  # parser.error exits
@@ -248,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pdproxy.server import DrainingServer
 
     config = parse_config(argv)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     logging.getLogger(__name__).info(
         "pdproxy on %s:%d, connector %s, %d prefill, %d decode",
         config.host,
@@ -266,8 +297,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         loop="uvloop" if sys.platform != "win32" else "asyncio",
         http="httptools",
         log_level=config.log_level,
-        access_log=config.access_log,
-        log_config=None,
+        access_log=False,  # pdproxy writes its own access line (pdproxy.access)
+        log_config=None,  # uvicorn's loggers propagate to pdproxy's handler and format
         # pdproxy logs no client addresses, so X-Forwarded-For parsing is wasted work.
         proxy_headers=False,
         # The drain has already ended every request when uvicorn's own shutdown starts.

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib
 import ipaddress
+import math
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from pdproxy.errors import ConfigError
+from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import EngineAddress
 
 # KV connector name -> "module:Class" (uvicorn's name tables). A new transfer mode is one
@@ -27,6 +29,9 @@ KV_CONNECTORS = MappingProxyType(
 
 # MoRIIO's transfer modes: READ (D pulls, serial legs) and WRITE (P pushes, concurrent legs).
 TRANSFER_MODES = ("READ", "WRITE")
+
+# --log-format names, rendered by pdproxy.log's formatters of the same names.
+LOG_FORMATS = ("text", "json")
 
 
 def import_from_string(target: str) -> Any:
@@ -165,17 +170,21 @@ class RetryConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HealthConfig:
     """Active health checks: ``GET endpoint`` on every instance each ``interval`` seconds
-    (0 turns them off), on the probe pool."""
+    (0 turns them off), on the probe pool; and, on the same pool, a scrape of every
+    instance's ``/metrics`` for its load each ``engine_metrics_interval`` seconds (0: off)."""
 
     interval: float = 5.0
     timeout: float = 2.0
     failure_threshold: int = 3
     success_threshold: int = 2
     endpoint: str = "/health"
+    engine_metrics_interval: float = 1.0
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.timeout <= 0:
             raise ConfigError("health check interval must be >= 0 and its timeout > 0")
+        if not 0 <= self.engine_metrics_interval < math.inf:
+            raise ConfigError("--engine-metrics-interval-secs must be >= 0")
         if self.failure_threshold < 1 or self.success_threshold < 1:
             raise ConfigError("health check thresholds must be >= 1")
         if not self.endpoint.startswith("/"):
@@ -312,17 +321,21 @@ class ProxyConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     admin_api_key: str | None = field(default=None, repr=False)
     admin_allow_cidrs: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # clients' Bearer keys
-    protect_metrics: bool = False  # /metrics needs a client key too
+    protect_metrics: bool = False  # /metrics and /dashboard/data need a client key too
+    dashboard: bool = True  # GET /dashboard and /dashboard/data (--no-dashboard: off)
     engine_api_key: str | None = field(default=None, repr=False)  # pdproxy's key to engines
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     shutdown_timeout: float = 30.0
     tls: ListenerTLS = field(default_factory=ListenerTLS)
     engine_tls: EngineTLS = field(default_factory=EngineTLS)
     log_level: str = "info"
-    access_log: bool = False
+    log_format: str = "text"  # one of LOG_FORMATS
+    access_log: bool = True  # pdproxy's own line per generation request (pdproxy.access)
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL; None: no tracing
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -340,6 +353,8 @@ class ProxyConfig:
             raise ConfigError("--protect-metrics needs --api-key")
         if self.shutdown_timeout < 0:
             raise ConfigError("--shutdown-timeout-secs must be >= 0")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         for cidr in self.admin_allow_cidrs:
             try:
                 ipaddress.ip_network(cidr, strict=False)

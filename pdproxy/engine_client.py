@@ -108,6 +108,19 @@ def _mapped_errors(leg: str, url: str) -> Iterator[None]:
         raise _translate(exc, leg, url) from exc
 
 
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or ``UpstreamError`` (the connection dropped) past ``limit`` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            response.close()
+            raise UpstreamError(f"{response.url} answered over {limit} bytes", leg="probe")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 @dataclass(slots=True)
 class UpstreamResponse:
     """An engine's answer whose headers have arrived. The caller must ``close()`` it."""
@@ -284,6 +297,18 @@ class EngineClient:
                 if response.status != 200:
                     raise UpstreamError(f"{url} answered HTTP {response.status}", leg="probe")
                 return orjson.loads(await response.read())
+
+    async def get_text(self, url: str, timeout: float, limit: int) -> str:
+        """A scrape (``/metrics``) on the probe pool, whole within ``timeout``: the body as
+        text. Raises ``UpstreamError`` on a non-200 answer or a body (decompressed) over
+        ``limit`` bytes, and its subclasses when the engine cannot be reached in time."""
+        session = self._require(self._probe_session)
+        with _mapped_errors("probe", url):
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                if response.status != 200:
+                    raise UpstreamError(f"{url} answered HTTP {response.status}", leg="probe")
+                body = await _read_at_most(response, limit)
+        return body.decode("utf-8", "replace")
 
     def connections_in_use(self) -> int:
         """Upstream connections currently held by a leg (pooled idle ones excluded); 0 when

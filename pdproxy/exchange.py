@@ -16,6 +16,7 @@ class ClientRequest:
     body: Mapping[str, Any]  # parsed once; never mutated
     request_id: str | None  # the client's X-Request-Id header, unvalidated
     authorization: str | None
+    session: str | None = None  # the --session-header's value (consistent-hash key)
 
 
 @dataclass(slots=True)

@@ -11,12 +11,19 @@ from collections.abc import Sequence
 
 from pdproxy.config import (
     KV_CONNECTORS,
+    LOG_FORMATS,
     TRANSFER_MODES,
     AdmissionConfig,
     HealthConfig,
     OutlierConfig,
     RetryConfig,
     Timeouts,
+)
+from pdproxy.scheduling_config import (
+    DEFAULT_DECODE_POLICY,
+    DEFAULT_PREFILL_POLICY,
+    POLICIES,
+    SchedulingConfig,
 )
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -31,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add_group in (
         _instance_flags,
+        _scheduling_flags,
         _server_flags,
         _upstream_flags,
         _retry_flags,
@@ -76,6 +84,35 @@ def _instance_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _scheduling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduling (docs/scheduling.md)")
+    names = ", ".join(POLICIES)
+    g.add_argument(
+        "--policy",
+        default=None,
+        help=f"Scheduling policy for both roles: {names} (vllm-router's spellings such as "
+        "round_robin and cache_aware are accepted).",
+    )
+    g.add_argument(
+        "--prefill-policy", default=None, help=f"Prefill policy [{DEFAULT_PREFILL_POLICY}]."
+    )
+    g.add_argument(
+        "--decode-policy", default=None, help=f"Decode policy [{DEFAULT_DECODE_POLICY}]."
+    )
+    g.add_argument(
+        "--session-header",
+        default=_S.session_header,
+        help="Header holding the consistent-hash session key (else the body's user field).",
+    )
+    g.add_argument(
+        "--decode-only-fallback",
+        action="store_true",
+        help="With no prefill routable, serve requests on a decode alone instead of a 503.",
+    )
+    for flags, kind, default, text in SCHEDULING:
+        g.add_argument(*flags, type=kind, default=default, help=text)
+
+
 def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0", help="Address the proxy listens on.")
     p.add_argument("--port", type=int, default=8000, help="Port the proxy listens on.")
@@ -87,15 +124,70 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
         default=32 * 1024 * 1024,
         help="Largest request body accepted; larger ones get 413.",
     )
+    p.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="Do not serve the live fleet dashboard (/dashboard and /dashboard/data).",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
     p.add_argument(
-        "--access-log", action="store_true", help="Log one line per HTTP request (costs CPU)."
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="Log lines as text, or as one JSON object each; both carry the request id.",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="One line per generation request on the pdproxy.access logger, at info.",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="OTLP/HTTP collector to send traces to, as vLLM's flag (needs pdproxy[otel]).",
     )
 
 
 # Numeric flags, as (flags, type, default, help): one line each, defaults from the config.
 _T, _R, _H, _O, _A = Timeouts(), RetryConfig(), HealthConfig(), OutlierConfig(), AdmissionConfig()
 NumberFlag = tuple[tuple[str, ...], type, float, str]
+_S = SchedulingConfig()
+
+SCHEDULING: tuple[NumberFlag, ...] = (
+    (
+        ("--pd-threshold-tokens",),
+        int,
+        _S.pd_threshold_tokens,
+        "Prompts estimated under this many uncached tokens skip the prefill (0: never).",
+    ),
+    (("--chars-per-token",), float, _S.chars_per_token, "Characters per token, for estimates."),
+    (
+        ("--prefix-block-chars",),
+        int,
+        _S.prefix_block_chars,
+        "Characters per block of the prefix index.",
+    ),
+    (
+        ("--prefix-index-max-blocks",),
+        int,
+        _S.prefix_index_max_blocks,
+        "Blocks the prefix index keeps per role (LRU; about 100 bytes each).",
+    ),
+    (
+        ("--balance-abs-threshold",),
+        float,
+        _S.balance_abs_threshold,
+        "prefix-affinity skips instances this many requests busier than the least busy...",
+    ),
+    (
+        ("--balance-rel-threshold",),
+        float,
+        _S.balance_rel_threshold,
+        "...and this many times as busy.",
+    ),
+)
 
 UPSTREAM: tuple[NumberFlag, ...] = (
     (
@@ -171,6 +263,12 @@ HEALTH: tuple[NumberFlag, ...] = (
         "Seconds between active health checks of every instance (0: off).",
     ),
     (("--health-check-timeout-secs",), float, _H.timeout, "Timeout of one health check."),
+    (
+        ("--engine-metrics-interval-secs",),
+        float,
+        _H.engine_metrics_interval,
+        "Seconds between scrapes of every instance's /metrics for its load (0: off).",
+    ),
     (
         ("--health-failure-threshold",),
         int,
@@ -310,7 +408,9 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--api-key-file", default=None, help="File of client keys, one per line.")
     p.add_argument(
-        "--protect-metrics", action="store_true", help="/metrics needs a client key too."
+        "--protect-metrics",
+        action="store_true",
+        help="/metrics and the dashboard's data (/dashboard/data) need a client key too.",
     )
     p.add_argument(
         "--engine-api-key",

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -32,7 +33,9 @@ from pdproxy.errors import (
 from pdproxy.exchange import ClientRequest, ProxyResponse
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.relay import StreamRelay, StreamWatchdog
-from pdproxy.shaping import is_streaming, leg_headers
+from pdproxy.request_context import RequestTrace, current
+from pdproxy.shaping import decode_body, is_streaming, leg_headers
+from pdproxy.tracing import LegSpan
 from pdproxy.types import Endpoint
 from pdproxy.verdicts import Verdicts
 
@@ -68,12 +71,13 @@ class Legs:
     async def prefill(self, request: ClientRequest, transfer: Transfer) -> dict[str, Any]:
         """Run the clamped prefill leg and return P's answer."""
         endpoint = transfer.decision.prefill
+        rank = transfer.decision.prefill_dp_rank
         body = orjson.dumps(self._connector.prefill_body(request.body, transfer))
-        headers = leg_headers(
-            transfer.request_id, request.authorization, transfer.decision.prefill_dp_rank
-        )
+        headers = leg_headers(transfer.request_id, request.authorization, rank)
+        trace = current()
+        span = trace.prefill_started(transfer.request_id, endpoint.url, rank, headers)
         started = time.perf_counter()
-        endpoint.in_flight += 1
+        self._enter(endpoint, rank)
         try:
             upstream, data = await self._client.post_read(
                 endpoint.url + request.kind.path,
@@ -84,14 +88,17 @@ class Legs:
             )
             answer = _prefill_answer(upstream, data)
         except ProxyError as error:
-            self._verdicts.judge(endpoint, error)
+            self._failed(endpoint, error, span, trace)
             raise
         except BaseException:
-            self._verdicts.abandoned(endpoint)
+            self._abandoned(endpoint, span)
             raise
         finally:
-            endpoint.in_flight -= 1
-        self._metrics.prefill_seconds.observe(time.perf_counter() - started)
+            leave(endpoint, rank)
+            trace.prefill_ended = ended = time.perf_counter()
+        self._metrics.prefill_seconds.observe(ended - started)
+        trace.prefill_answered = ended
+        span.end(None)
         self._verdicts.success(endpoint)
         return answer
 
@@ -100,13 +107,32 @@ class Legs:
     ) -> ProxyResponse:
         """Open the decode leg; its status (and a stream's first bytes) are checked before
         the client's response starts."""
-        endpoint = transfer.decision.decode
         body = self._connector.decode_body(request.body, transfer, prefill_answer)
         if prefill_answer is not None and "kv_transfer_params" not in prefill_answer:
             self._metrics.kv_params_missing.inc()
-        headers = leg_headers(transfer.request_id, request.authorization)
+        decision = transfer.decision
+        rank = decision.decode_dp_rank if self._connector.routes_decode_rank else None
+        leg = _DecodeLeg(decision.decode, rank, transfer.request_id, prefill_answer)
+        return await self._open(request, leg, body)
+
+    async def single(
+        self, request: ClientRequest, decode: Endpoint, request_id: str, rank: int | None
+    ) -> ProxyResponse:
+        """A decode-only request: the client's body as a plain request (no KV params, the
+        client's own stripped), checked like a decode leg."""
+        current().decode_only = True
+        leg = _DecodeLeg(decode, rank, request_id, None)
+        return await self._open(request, leg, decode_body(request.body, None))
+
+    async def _open(
+        self, request: ClientRequest, leg: _DecodeLeg, body: Mapping[str, Any]
+    ) -> ProxyResponse:
+        endpoint, rank = leg.endpoint, leg.rank
+        headers = leg_headers(leg.request_id, request.authorization, rank)
+        trace = current()
+        span = trace.decode_started(leg.request_id, endpoint.url, headers)
         streaming = is_streaming(request.body)
-        endpoint.in_flight += 1
+        self._enter(endpoint, rank)
         try:
             upstream = await self._client.post(
                 endpoint.url + request.kind.path,
@@ -116,20 +142,44 @@ class Legs:
                 stream=streaming,
                 headers_within=self._timeouts.decode_headers,
             )
+            self._headers_arrived(trace, upstream.status < 300 and streaming)
             if streaming and upstream.status < 300:
-                return await self._stream(upstream, endpoint, transfer.request_id, prefill_answer)
-            response = _whole_answer(upstream, await upstream.read_all(), transfer.request_id)
+                return await self._stream(upstream, leg, span, trace)
+            response = _whole_answer(upstream, await upstream.read_all(), leg.request_id)
         except ProxyError as error:
-            endpoint.in_flight -= 1
-            self._verdicts.judge(endpoint, error)
+            leave(endpoint, rank)
+            self._failed(endpoint, error, span, trace)
             raise
         except BaseException:
-            endpoint.in_flight -= 1
-            self._verdicts.abandoned(endpoint)
+            leave(endpoint, rank)
+            self._abandoned(endpoint, span)
             raise
-        endpoint.in_flight -= 1
-        self._succeeded(endpoint, prefill_answer)
+        leave(endpoint, rank)
+        self._succeeded(endpoint, leg.prefill_answer)
+        span.end(None)
         return response
+
+    def _enter(self, endpoint: Endpoint, rank: int | None) -> None:
+        enter(endpoint, rank)
+        self._metrics.count_leg(endpoint.role.value, endpoint.url)
+
+    def _failed(
+        self, endpoint: Endpoint, error: ProxyError, span: LegSpan, trace: RequestTrace
+    ) -> None:
+        """A leg failed before the client's response started (it may be retried)."""
+        self._verdicts.judge(endpoint, error)
+        trace.leg_failed()
+        span.end(type(error).__name__)
+
+    def _abandoned(self, endpoint: Endpoint, span: LegSpan) -> None:
+        self._verdicts.abandoned(endpoint)
+        span.end("abandoned")
+
+    def _headers_arrived(self, trace: RequestTrace, streamed: bool) -> None:
+        """The decode's headers are here; a stream's wait for them is observed."""
+        trace.decode_headers = now = time.perf_counter()
+        if streamed and trace.decode_sent is not None:
+            self._metrics.decode_headers_seconds.observe(now - trace.decode_sent)
 
     def _succeeded(self, decode: Endpoint, prefill_answer: Mapping[str, Any] | None) -> None:
         self._verdicts.success(decode)
@@ -138,11 +188,7 @@ class Legs:
             decode.read_from(source)
 
     async def _stream(
-        self,
-        upstream: UpstreamResponse,
-        endpoint: Endpoint,
-        request_id: str,
-        prefill_answer: Mapping[str, Any] | None,
+        self, upstream: UpstreamResponse, leg: _DecodeLeg, span: LegSpan, trace: RequestTrace
     ) -> ProxyResponse:
         """Wait for the stream's first bytes; from then on the relay owns the leg (and
         uncounts it when it closes). Raises with the leg uncounted."""
@@ -152,15 +198,19 @@ class Legs:
         except BaseException:
             relay.close()
             raise
-        relay.when_closed(lambda: self._stream_closed(endpoint, relay))
-        self._succeeded(endpoint, prefill_answer)
-        return ProxyResponse(200, "text/event-stream", request_id, stream=relay)
+        if leg.prefill_answer is not None and trace.prefill_answered is not None:
+            # Serial legs: P answered, then D read the KV and made its first token.
+            self._metrics.kv_handoff_seconds.observe(time.perf_counter() - trace.prefill_answered)
+        relay.when_closed(lambda: self._stream_closed(leg, relay, span))
+        self._succeeded(leg.endpoint, leg.prefill_answer)
+        return ProxyResponse(200, "text/event-stream", leg.request_id, stream=relay)
 
-    def _stream_closed(self, endpoint: Endpoint, relay: StreamRelay) -> None:
-        endpoint.in_flight -= 1
+    def _stream_closed(self, leg: _DecodeLeg, relay: StreamRelay, span: LegSpan) -> None:
+        leave(leg.endpoint, leg.rank)
         failure = relay.failure
         if isinstance(failure, UpstreamError) and failure.leg == "decode":
-            self._verdicts.judge(endpoint, failure)
+            self._verdicts.judge(leg.endpoint, failure)
+        span.end(None if failure is None else type(failure).__name__)
 
     async def concurrent(self, request: ClientRequest, transfer: Transfer) -> ProxyResponse:
         """Send P and D together (push/WRITE transfers); a failed P aborts D."""
@@ -195,6 +245,30 @@ class Legs:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_consume_result)
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeLeg:
+    endpoint: Endpoint
+    rank: int | None
+    request_id: str
+    prefill_answer: Mapping[str, Any] | None
+
+
+def enter(endpoint: Endpoint, rank: int | None) -> None:
+    """Count a leg on ``endpoint`` (and its DP rank) while it runs."""
+    endpoint.in_flight += 1
+    if rank is not None:
+        counts = endpoint.rank_in_flight
+        if len(counts) <= rank:
+            counts.extend([0] * (rank + 1 - len(counts)))
+        counts[rank] += 1
+
+
+def leave(endpoint: Endpoint, rank: int | None) -> None:
+    endpoint.in_flight -= 1
+    if rank is not None and rank < len(endpoint.rank_in_flight):
+        endpoint.rank_in_flight[rank] -= 1
 
 
 def _prefill_answer(upstream: UpstreamResponse, data: bytes) -> dict[str, Any]:

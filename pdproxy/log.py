@@ -1,15 +1,103 @@
-"""Logging set-up: one stream handler, lazy %-formatting everywhere."""
+"""Logging set-up: one stream handler on stderr, lazy %-formatting everywhere.
+
+Every record is stamped with the current client request's id (``RequestIdFilter``, from
+``pdproxy.request_context``), so a line logged anywhere while a request is served, in
+pdproxy or in a library, names it. ``--log-format`` picks the rendering: ``text`` appends
+the id (and any structured fields) to the classic line; ``json`` writes one JSON object a
+line with ``ts``, ``level``, ``logger``, ``msg``, ``request_id``, the fields, and
+``exc_info`` when an exception is logged. uvicorn's loggers propagate to the same handler.
+
+Structured fields ride on a record as ``extra={"fields": {...}}`` (the access line does).
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+
+from pdproxy.request_context import current_request_id
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=_FORMAT)
+class RequestIdFilter(logging.Filter):
+    """Sets ``record.request_id``: the current request's id, or None outside a request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = current_request_id()
+        return True
+
+
+def _text_value(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+class TextFormatter(logging.Formatter):
+    """``ts LEVEL logger: message k=v ... request_id=ID``."""
+
+    def __init__(self) -> None:
+        super().__init__(_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        fields: Mapping[str, Any] | None = getattr(record, "fields", None)
+        if fields:
+            line += "".join(f" {k}={_text_value(v)}" for k, v in fields.items())
+        request_id = getattr(record, "request_id", None)
+        return line if request_id is None else f"{line} request_id={request_id}"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+            "request_id": getattr(record, "request_id", None),
+        }
+        fields: Mapping[str, Any] | None = getattr(record, "fields", None)
+        if fields:
+            for key, value in fields.items():
+                line.setdefault(key, value)  # never over a base key
+        if record.exc_info:
+            line["exc_info"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exc_info"] = record.exc_text
+        if record.stack_info:
+            line["stack_info"] = self.formatStack(record.stack_info)
+        return orjson.dumps(line, default=str).decode()
+
+
+# --log-format name -> formatter (names in pdproxy.config.LOG_FORMATS)
+FORMATTERS: Mapping[str, Callable[[], logging.Formatter]] = MappingProxyType(
+    {"text": TextFormatter, "json": JsonFormatter}
+)
+
+
+def log_handler(log_format: str = "text") -> logging.Handler:
+    """A stderr handler rendering ``log_format`` with request ids stamped."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(FORMATTERS[log_format]())
+    handler.addFilter(RequestIdFilter())
+    return handler
+
+
+def configure_logging(level: str, log_format: str = "text") -> None:
+    logging.basicConfig(level=level.upper(), handlers=[log_handler(log_format)])
 
 
 class RateLimitedLogger:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -15,7 +17,12 @@ class ProxyMetrics:
         self.registry = registry
         self._request_children: dict[tuple[str, str], Any] = {}
         self._endpoint_labels: set[tuple[str, str]] = set()
+        self._latency_children: dict[str, tuple[Any, Any]] = {}
+        self._leg_children: dict[tuple[str, str], Any] = {}
+        self._failure_children: dict[tuple[str, str, str], Any] = {}
         self._define_requests(registry)
+        self._define_legs(registry)
+        self._define_endpoints(registry)
         self._define_fleet(registry)
         self._define_resilience(registry)
         self._define_admission(registry)
@@ -38,14 +45,16 @@ class ProxyMetrics:
         self.ttft_seconds = Histogram(
             "pdproxy_request_ttft_seconds",
             "Client's time to first byte: from the request's arrival to the first body byte"
-            " sent back (the first SSE event of a stream, the whole body otherwise).",
+            " sent back (the first SSE event of a stream, the whole body otherwise); answers"
+            " with a status below 400.",
             ("endpoint",),
             registry=registry,
             buckets=_LEG_BUCKETS,
         )
         self.request_seconds = Histogram(
             "pdproxy_request_duration_seconds",
-            "Client's end-to-end time: from the request's arrival to its last byte.",
+            "Client's end-to-end time: from the request's arrival to its last byte; answers"
+            " with a status below 400.",
             ("endpoint",),
             registry=registry,
             buckets=_LEG_BUCKETS,
@@ -55,9 +64,48 @@ class ProxyMetrics:
             "Client requests being served.",
             registry=registry,
         )
+        self.decode_only = Counter(
+            "pdproxy_decode_only_requests_total",
+            "Requests served by a decode alone, without a prefill, by reason: short_prompt"
+            " (under --pd-threshold-tokens) or no_prefill (--decode-only-fallback).",
+            ("reason",),
+            registry=registry,
+        )
         self.kv_params_missing = Counter(
             "pdproxy_kv_params_missing_total",
             "Prefill answers that carried no kv_transfer_params (the decode recomputed).",
+            registry=registry,
+        )
+
+    def _define_legs(self, registry: CollectorRegistry) -> None:
+        """Latency of the legs as the proxy sees it (the prefill's is in _define_requests)."""
+        self.decode_headers_seconds = Histogram(
+            "pdproxy_decode_headers_seconds",
+            "Time from sending a streaming decode leg to its response headers.",
+            registry=registry,
+            buckets=_LEG_BUCKETS,
+        )
+        self.kv_handoff_seconds = Histogram(
+            "pdproxy_kv_handoff_seconds",
+            "Time from the prefill's answer to the streaming decode's first bytes (serial"
+            " connectors): the KV transfer and the first decode step, as the proxy sees them.",
+            registry=registry,
+            buckets=_LEG_BUCKETS,
+        )
+
+    def _define_endpoints(self, registry: CollectorRegistry) -> None:
+        """Per instance (role, url); a departed instance's series are removed."""
+        self.endpoint_requests = Counter(
+            "pdproxy_endpoint_requests_total",
+            "Request legs (prefill, decode) sent to an instance; KV release legs are not.",
+            ("role", "url"),
+            registry=registry,
+        )
+        self.endpoint_failures = Counter(
+            "pdproxy_endpoint_failures_total",
+            "Legs to an instance that failed, by reason: connect, timeout, reset, 5xx, 429,"
+            " 408 (as pdproxy_retries_total), 4xx (the engine refused the request) or other.",
+            ("role", "url", "reason"),
             registry=registry,
         )
 
@@ -98,6 +146,14 @@ class ProxyMetrics:
             ("role", "url"),
             registry=registry,
         )
+        self.engine_scrapes = Counter(
+            "pdproxy_engine_scrapes_total",
+            "Scrapes of the engines' /metrics for their load figures, by outcome (ok, error).",
+            ("outcome",),
+            registry=registry,
+        )
+        for outcome in ("ok", "error"):
+            self.engine_scrapes.labels(outcome)  # both series exist from the start
 
     def _define_resilience(self, registry: CollectorRegistry) -> None:
         """Retries, ejections and released KV."""
@@ -151,8 +207,39 @@ class ProxyMetrics:
             )
         child.inc()
 
+    def observe_request(self, endpoint: str, ttft: float, total: float) -> None:
+        """The client's time to first byte and end-to-end time, in seconds (hot path)."""
+        children = self._latency_children.get(endpoint)
+        if children is None:
+            children = self._latency_children[endpoint] = (
+                self.ttft_seconds.labels(endpoint),
+                self.request_seconds.labels(endpoint),
+            )
+        children[0].observe(ttft)
+        children[1].observe(total)
+
+    def count_leg(self, role: str, url: str) -> None:
+        """A leg sent to an instance (hot path)."""
+        child = self._leg_children.get((role, url))
+        if child is None:
+            child = self._leg_children[(role, url)] = self.endpoint_requests.labels(role, url)
+        child.inc()
+
+    def count_leg_failure(self, role: str, url: str, reason: str) -> None:
+        key = (role, url, reason)
+        child = self._failure_children.get(key)
+        if child is None:
+            child = self._failure_children[key] = self.endpoint_failures.labels(*key)
+        child.inc()
+
+    def count_decode_only(self, reason: str) -> None:
+        self.decode_only.labels(reason).inc()
+
     def count_retry(self, leg: str, reason: str) -> None:
         self.retries.labels(leg, reason).inc()
+
+    def count_scrape(self, ok: bool) -> None:
+        self.engine_scrapes.labels("ok" if ok else "error").inc()
 
     def set_endpoint_health(self, rows: Iterable[tuple[str, str, bool, bool]]) -> None:
         """Per-instance gauges from ``(role, url, healthy, ejected)``; departed instances'
@@ -166,7 +253,44 @@ class ProxyMetrics:
             self.endpoint_healthy.remove(*labels)
             self.endpoint_ejected.remove(*labels)
         self._endpoint_labels = seen
+        self._forget_departed(seen)
+
+    def _forget_departed(self, present: set[tuple[str, str]]) -> None:
+        """Drop the leg counters of instances no longer in the fleet."""
+        for key in [k for k in self._leg_children if k not in present]:
+            del self._leg_children[key]
+            self.endpoint_requests.remove(*key)
+        for fkey in [k for k in self._failure_children if k[:2] not in present]:
+            del self._failure_children[fkey]
+            self.endpoint_failures.remove(*fkey)
 
     def track_in_flight(self, read: Callable[[], float]) -> None:
         """The in-flight gauge reads the live count at scrape time, costing nothing per request."""
         self.in_flight.set_function(read)
+
+    def track_endpoint_in_flight(self, read: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
+        """``pdproxy_endpoint_in_flight{role,url}`` from ``read()``'s ``(role, url, legs)``
+        at scrape time: nothing per request, and only present instances have a series."""
+        self.registry.register(_EndpointInFlight(read))
+
+
+class _EndpointInFlight(Collector):
+    def __init__(self, read: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
+        self._read = read
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for role, url, legs in self._read():
+            family.add_metric((role, url), legs)
+        yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "pdproxy_endpoint_in_flight",
+            "Legs in flight on an instance.",
+            labels=("role", "url"),
+        )

@@ -28,10 +28,13 @@ from pdproxy.kv_release import KVRelease
 from pdproxy.legs import Legs
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.registry import EndpointRegistry
+from pdproxy.request_context import bind_request_id
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import Backoff, RetryBudget, retry_reason
-from pdproxy.scheduling import Scheduler
-from pdproxy.types import Endpoint, PairDecision, Role, Snapshot
+from pdproxy.scheduling.context import RequestFeatures
+from pdproxy.scheduling.scheduler import NO_PREFILL, Scheduler
+from pdproxy.shaping import client_request_id
+from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
 
 __all__ = ["ClientRequest", "Orchestrator", "ProxyResponse"]
 
@@ -40,8 +43,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Run:
-    """One request's retry state."""
+    """One request's scheduling features and retry state."""
 
+    features: RequestFeatures
     retries_left: int
     tried: dict[Role, set[str]] = field(
         default_factory=lambda: {Role.PREFILL: set(), Role.DECODE: set()}
@@ -49,9 +53,24 @@ class _Run:
     last_failed: dict[Role, str] = field(default_factory=dict)
     rounds: int = 0  # passes over an exhausted role, for the backoff
     trials: list[Endpoint] = field(default_factory=list)  # half-open trials it took
+    reserved: Endpoint | None = None  # the decode waiting on this request's prefill
+
+    def reserve(self, decode: Endpoint) -> None:
+        """Count the request on its decode while the prefill runs: a burst must not herd
+        onto the decode that looked idle because none of its legs had started yet."""
+        if decode is not self.reserved:
+            self.unreserve()
+            decode.reserved += 1
+            self.reserved = decode
+
+    def unreserve(self) -> None:
+        if self.reserved is not None:
+            self.reserved.reserved -= 1
+            self.reserved = None
 
 
 def _log_decision(transfer: Transfer, why: str) -> None:
+    bind_request_id(transfer.request_id)  # the connector fixed it: log lines carry it
     if logger.isEnabledFor(logging.DEBUG):
         decision = transfer.decision
         logger.debug(
@@ -101,10 +120,11 @@ class Orchestrator:
 
     async def handle(self, request: ClientRequest) -> ProxyResponse:
         self._budget.on_request()
-        run = _Run(self._max_retries)
+        run = _Run(self._scheduler.features(request.body, request.session), self._max_retries)
         try:
             return await self._handle(request, run)
         finally:
+            run.unreserve()
             if run.trials:
                 self._free_unused_trials(run)
 
@@ -116,7 +136,10 @@ class Orchestrator:
                 self._outliers.on_abandoned(endpoint)
 
     async def _handle(self, request: ClientRequest, run: _Run) -> ProxyResponse:
-        transfer = self._connector.begin(self._pick(run), request.request_id)
+        decision = self._pick(run)
+        if isinstance(decision, DecodeOnly):
+            return await self._decode_only(request, run, decision)
+        transfer = self._connector.begin(decision, request.request_id)
         _log_decision(transfer, "routed")
         answer: dict[str, Any] | None = None
         while True:
@@ -125,7 +148,9 @@ class Orchestrator:
                 if self._connector.runs_concurrently(transfer):
                     return await self._legs.concurrent(request, transfer)
                 if answer is None:
+                    run.reserve(transfer.decision.decode)
                     answer = await self._legs.prefill(request, transfer)
+                run.unreserve()
                 decoding = True
                 return await self._legs.decode(request, transfer, answer)
             except UpstreamError as error:
@@ -136,12 +161,51 @@ class Orchestrator:
                 if answer is not None and not decoding:
                     self._release.orphaned(request, transfer, answer, failed=None)
                 raise
+            if self._prefills_exhausted(run, transfer, failure):
+                run.unreserve()
+                decision = transfer.decision
+                fallback = DecodeOnly(decision.decode, NO_PREFILL, decision.decode_dp_rank)
+                return await self._decode_only(request, run, fallback)
             try:
                 transfer, answer = await self._recover(run, request, transfer, answer, failure)
             except asyncio.CancelledError:
                 if answer is not None:  # the client left during a backoff
                     self._release.orphaned(request, transfer, answer, failed=None)
                 raise
+
+    def _prefills_exhausted(self, run: _Run, transfer: Transfer, failure: UpstreamError) -> bool:
+        """Under ``--decode-only-fallback``: a retryable prefill failure with every other
+        prefill already tried by this request (or none left) goes to the decode alone."""
+        if not self._scheduler.decode_only_fallback or failure.leg != "prefill":
+            return False
+        if retry_reason(failure) is None:
+            return False
+        tried = run.tried[Role.PREFILL] | {transfer.decision.prefill.url}
+        return not self._usable(self._pool(Role.PREFILL), tried)
+
+    async def _decode_only(
+        self, request: ClientRequest, run: _Run, decision: DecodeOnly
+    ) -> ProxyResponse:
+        """The request as a plain one on a decode, retried on another decode like a
+        decode leg (before the first byte, within the budget)."""
+        self._metrics.count_decode_only(decision.reason)
+        request_id = client_request_id(request.request_id)
+        bind_request_id(request_id)
+        decode, rank = decision.decode, decision.decode_dp_rank
+        logger.debug("%s: decode only (%s) on %s", request_id, decision.reason, decode.url)
+        while True:
+            try:
+                return await self._legs.single(request, decode, request_id, rank)
+            except UpstreamError as error:
+                reason = retry_reason(error)
+                if reason is None or not self._may_retry(run, error.leg, reason):
+                    raise
+                run.tried[Role.DECODE].add(decode.url)
+                run.last_failed[Role.DECODE] = decode.url
+                try:
+                    decode, rank = await self._another(run, Role.DECODE)
+                except NoEndpointAvailable:
+                    raise error from None
 
     async def _recover(
         self,
@@ -203,13 +267,14 @@ class Orchestrator:
         self._metrics.count_retry(leg, reason)
         return True
 
-    def _pick(self, run: _Run) -> PairDecision:
+    def _pick(self, run: _Run) -> PairDecision | DecodeOnly:
         snapshot = self._registry.snapshot()
         view = Snapshot(
             prefill=self._usable(snapshot.prefill, ()), decode=self._usable(snapshot.decode, ())
         )
-        decision = self._scheduler.schedule(view)
-        self._picked(run, decision.prefill)
+        decision = self._scheduler.schedule(run.features, view)
+        if isinstance(decision, PairDecision):
+            self._picked(run, decision.prefill)
         self._picked(run, decision.decode)
         return decision
 
@@ -219,6 +284,13 @@ class Orchestrator:
 
     async def _repick(self, run: _Run, decision: PairDecision, role: Role) -> PairDecision:
         """``decision`` with another instance of ``role``."""
+        chosen, rank = await self._another(run, role)
+        if role is Role.PREFILL:
+            return dataclasses.replace(decision, prefill=chosen, prefill_dp_rank=rank)
+        return dataclasses.replace(decision, decode=chosen, decode_dp_rank=rank)
+
+    async def _another(self, run: _Run, role: Role) -> tuple[Endpoint, int | None]:
+        """An instance of ``role`` this request has not tried yet, and its DP rank."""
         candidates = self._usable(self._pool(role), run.tried[role])
         if not candidates:
             # Every instance of the role was tried: back off, then anyone but the last
@@ -228,17 +300,9 @@ class Orchestrator:
             run.tried[role].clear()
             pool = self._pool(role)
             candidates = self._usable(pool, {run.last_failed[role]}) or self._usable(pool, ())
-        if not candidates:
-            raise NoEndpointAvailable(f"no {role.value} instance is available")
-        if role is Role.PREFILL:
-            chosen = self._scheduler.schedule(Snapshot(candidates, (decision.decode,)))
-            new = PairDecision(chosen.prefill, decision.decode, chosen.prefill_dp_rank)
-            self._picked(run, new.prefill)
-        else:
-            chosen = self._scheduler.schedule(Snapshot((decision.prefill,), candidates))
-            new = PairDecision(decision.prefill, chosen.decode, decision.prefill_dp_rank)
-            self._picked(run, new.decode)
-        return new
+        chosen, rank = self._scheduler.pick(role, run.features, candidates)
+        self._picked(run, chosen)
+        return chosen, rank
 
     def _pool(self, role: Role) -> tuple[Endpoint, ...]:
         snapshot = self._registry.snapshot()
@@ -249,4 +313,6 @@ class Orchestrator:
         (an ejected instance is a better bet than a certain 503)."""
         allowed = tuple(e for e in pool if e.url not in avoid) if avoid else pool
         available = self._outliers.available
+        if all(map(available, allowed)):
+            return allowed  # the snapshot itself: the policies' per-snapshot caches hold
         return tuple(e for e in allowed if available(e)) or allowed

@@ -17,6 +17,7 @@ class EndpointRegistry:
         self._clock = clock
         self._by_url: dict[str, Endpoint] = {}
         self._snapshot: Snapshot | None = None
+        self._removal_listeners: list[Callable[[str], None]] = []
 
     def __len__(self) -> int:
         return len(self._by_url)
@@ -35,6 +36,10 @@ class EndpointRegistry:
         self._by_url[endpoint.url] = endpoint
         self._changed()
 
+    def on_removal(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(url)`` whenever an instance leaves (removed or expired)."""
+        self._removal_listeners.append(listener)
+
     def touch(self, url: str, ttl: float, last_seen: float) -> None:
         """Extend a registered instance's lease (a heartbeat)."""
         endpoint = self._by_url[url]
@@ -49,6 +54,7 @@ class EndpointRegistry:
         endpoint = self._by_url.pop(url, None)
         if endpoint is not None:
             self._changed()
+            self._removed(url)
         return endpoint
 
     def expire(self) -> list[Endpoint]:
@@ -61,6 +67,8 @@ class EndpointRegistry:
             del self._by_url[endpoint.url]
         if dead:
             self._changed()
+        for endpoint in dead:
+            self._removed(endpoint.url)
         return dead
 
     def snapshot(self) -> Snapshot:
@@ -79,3 +87,7 @@ class EndpointRegistry:
 
     def _changed(self) -> None:
         self._snapshot = None
+
+    def _removed(self, url: str) -> None:
+        for listener in self._removal_listeners:
+            listener(url)

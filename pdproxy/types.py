@@ -111,6 +111,12 @@ class EngineLoad:
     kv_usage: float
     scraped_at: float  # monotonic
     ranks: tuple[RankLoad, ...] = ()
+    own: float = 0.0  # this proxy's legs on the engine when the figures were read
+    # Requests on the engine that are not this proxy's (other replicas', other clients').
+    others: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "others", max(0.0, self.running + self.waiting - self.own))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -127,6 +133,7 @@ class Endpoint:
     expires_at: float | None = None  # monotonic deadline; None = never expires
     last_seen: float | None = None  # wall-clock time of the last heartbeat
     in_flight: int = 0
+    reserved: int = 0  # requests bound for it whose leg has not started (a decode awaiting P)
     models: tuple[str, ...] = field(default_factory=tuple)
     engine_ids: tuple[str, ...] = field(default_factory=tuple)  # per DP rank (Mooncake)
     health: EndpointHealth = field(default_factory=EndpointHealth)
@@ -181,3 +188,15 @@ class PairDecision:
     prefill: Endpoint
     decode: Endpoint
     prefill_dp_rank: int | None = None
+    decode_dp_rank: int | None = None  # sent to D only where the connector allows it
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeOnly:
+    """The scheduler's choice to serve a request on a decode alone, as a plain request:
+    its prompt is too short to be worth a transfer (``short_prompt``), or no prefill is
+    routable and ``--decode-only-fallback`` is on (``no_prefill``)."""
+
+    decode: Endpoint
+    reason: str
+    decode_dp_rank: int | None = None

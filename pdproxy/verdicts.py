@@ -3,14 +3,15 @@
 A failure that is the instance's fault (connect, timeout, reset, 5xx) counts toward its
 ejection; an engine's 429 or 408 never does, but sends new requests to its peers for a
 short cool-down; any other answer, 4xx included, proves the engine alive and counts as a
-success. A leg the client abandoned gives no verdict.
+success. A leg the client abandoned gives no verdict. Every failed leg is counted on its
+instance (``pdproxy_endpoint_failures_total``) by its retry reason, else ``4xx`` or ``other``.
 """
 
 from __future__ import annotations
 
 import logging
 
-from pdproxy.errors import ProxyError
+from pdproxy.errors import ProxyError, UpstreamStatusError
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.registry import EndpointRegistry
 from pdproxy.resilience.outlier import OutlierDetector
@@ -37,6 +38,9 @@ class Verdicts:
     def judge(self, endpoint: Endpoint, error: ProxyError) -> str | None:
         """Record a failed leg; returns its retry reason (None: not retry-safe)."""
         reason = retry_reason(error)
+        self._metrics.count_leg_failure(
+            endpoint.role.value, endpoint.url, reason or _other_reason(error)
+        )
         if reason is None:
             self.success(endpoint)
         elif counts_against(reason):
@@ -59,3 +63,10 @@ class Verdicts:
                 reason,
                 endpoint.health.ejections,
             )
+
+
+def _other_reason(error: ProxyError) -> str:
+    """The failure label of a leg that is not retry-safe."""
+    if isinstance(error, UpstreamStatusError):
+        return f"{error.engine_status // 100}xx"  # 4xx (3xx in theory): bounded
+    return "other"

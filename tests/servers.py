@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 import uvicorn
 
@@ -25,10 +26,11 @@ class RunningProxy:
 
 
 @contextlib.asynccontextmanager
-async def running_proxy(config: ProxyConfig) -> AsyncIterator[RunningProxy]:
+async def running_proxy(config: ProxyConfig, **app_options: Any) -> AsyncIterator[RunningProxy]:
     """pdproxy under a real uvicorn on 127.0.0.1 and a free port, on the current loop;
-    ``https://`` when ``config.tls`` is enabled, with uvicorn's ssl_* settings as the CLI's."""
-    app = create_app(config)
+    ``https://`` when ``config.tls`` is enabled, with uvicorn's ssl_* settings as the CLI's.
+    ``app_options`` go to ``create_app`` (a tracer, a metrics registry...)."""
+    app = create_app(config, **app_options)
     tls = config.tls
     server = uvicorn.Server(
         uvicorn.Config(

@@ -81,7 +81,8 @@ async def add_instance(request: Request) -> Response:
         bootstrap_url=_bootstrap_url(body, host),
     )
     endpoint = await state.membership.add_admin(role, address)
-    return json_response({"status": "added", "instance": describe(endpoint, state.outliers)})
+    instance = describe(endpoint, state.outliers, now=state.clock())
+    return json_response({"status": "added", "instance": instance})
 
 
 @router.post("/remove")
@@ -90,13 +91,15 @@ async def remove_instance(request: Request) -> Response:
     body = await _json_body(request)
     host, port = _address(body.get("instance"))
     endpoint = state.membership.drain(format_url("http", host, port))
-    return json_response({"status": "draining", "instance": describe(endpoint, state.outliers)})
+    instance = describe(endpoint, state.outliers, now=state.clock())
+    return json_response({"status": "draining", "instance": instance})
 
 
 @router.get("")
 async def list_instances(request: Request) -> Response:
     state = _authorize(request)
-    instances = [describe(e, state.outliers) for e in state.registry.all()]
+    now = state.clock()
+    instances = [describe(e, state.outliers, now=now) for e in state.registry.all()]
     return json_response({"instances": instances})
 
 

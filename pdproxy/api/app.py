@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from pdproxy.admission import Admission
 from pdproxy.api.admin import router as admin_router
 from pdproxy.api.auth import ClientKeys
+from pdproxy.api.dashboard import Dashboard
 from pdproxy.api.errors import error_response
 from pdproxy.api.info import router as info_router
 from pdproxy.api.openai import GenerationEndpoint
@@ -31,13 +33,15 @@ from pdproxy.health import HealthChecker
 from pdproxy.kv_release import KVRelease
 from pdproxy.legs import Legs
 from pdproxy.lifecycle import Lifecycle
+from pdproxy.load_scraper import LoadScraper
 from pdproxy.membership import Membership
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
 from pdproxy.registry import EndpointRegistry
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
-from pdproxy.scheduling.round_robin import RoundRobinScheduler
+from pdproxy.scheduling.scheduler import Scheduler
+from pdproxy.tracing import Tracer, load_tracer
 from pdproxy.types import ApiKind
 from pdproxy.verdicts import Verdicts
 
@@ -48,15 +52,18 @@ def create_app(
     clock: Callable[[], float] = time.monotonic,
     metrics_registry: CollectorRegistry | None = None,
     rng: random.Random | None = None,
+    tracer: Tracer | None = None,
 ) -> FastAPI:
     state = _build_state(
         config, clock, metrics_registry or CollectorRegistry(), rng or random.Random()
     )
+    state.tracer = tracer or load_tracer(config.otlp_traces_endpoint)
     registry = (
         ZmqRegistry(config.registry, state.membership, state.metrics)
         if config.registry.port
         else None
     )
+    dashboard = Dashboard(state, clock) if config.dashboard else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -69,22 +76,29 @@ def create_app(
         state.membership.add_static()
         await state.health.settle()
         state.health.start()
+        state.loads.start()
         state.membership.start()
         if registry is not None:
             registry.start()
+        if dashboard is not None:
+            dashboard.start()
         try:
             yield
         finally:
             # Shutdown: uvicorn has stopped accepting and drained connections. Stop
-            # discovery and health checks, cancel background prefill legs and KV
-            # releases, then close the pools.
+            # discovery, health checks and load scrapes, cancel background prefill legs
+            # and KV releases, then close the pools.
+            if dashboard is not None:
+                await dashboard.aclose()
             if registry is not None:
                 await registry.aclose()
             await state.health.aclose()
+            await state.loads.aclose()
             await state.membership.aclose()
             await state.release.aclose()
             await state.orchestrator.aclose()
             await state.client.aclose()
+            await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
 
     hot_paths = {kind.path: GenerationEndpoint(kind, state) for kind in ApiKind}
     app = _ProxyApp(hot_paths, title="pdproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -95,6 +109,8 @@ def create_app(
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.include_router(info_router)
     app.include_router(admin_router)
+    if dashboard is not None:
+        dashboard.mount(app)
     app.add_exception_handler(ProxyError, _proxy_error)
     return app
 
@@ -145,7 +161,7 @@ def _build_state(
         clock=clock,
     )
     orchestrator = _orchestrator(config, core, release, clock, rng)
-    return _app_state(config, core, orchestrator, membership, health, release)
+    return _app_state(config, core, orchestrator, membership, health, release, clock)
 
 
 def _orchestrator(
@@ -164,7 +180,7 @@ def _orchestrator(
     )
     return Orchestrator(
         registry=core.registry,
-        scheduler=RoundRobinScheduler(),
+        scheduler=_scheduler(config, core, clock, rng),
         connector=core.connector,
         legs=legs,
         outliers=core.outliers,
@@ -176,6 +192,16 @@ def _orchestrator(
     )
 
 
+def _scheduler(
+    config: ProxyConfig, core: _Core, clock: Callable[[], float], rng: random.Random
+) -> Scheduler:
+    # An engine's load figures count for three scrape intervals, then they are ignored.
+    max_age = 3 * config.health.engine_metrics_interval
+    scheduler = Scheduler(config.scheduling, clock=clock, rng=rng, max_age=max_age)
+    core.registry.on_removal(scheduler.forget)
+    return scheduler
+
+
 def _app_state(
     config: ProxyConfig,
     core: _Core,
@@ -183,6 +209,7 @@ def _app_state(
     membership: Membership,
     health: HealthChecker,
     release: KVRelease,
+    clock: Callable[[], float],
 ) -> AppState:
     state = AppState(
         config,
@@ -196,10 +223,21 @@ def _app_state(
         release,
         keys=ClientKeys(config.api_keys),
         lifecycle=Lifecycle(core.registry, lambda: state.in_flight),
+        loads=LoadScraper(
+            config.health,
+            registry=core.registry,
+            client=core.client,
+            metrics=core.metrics,
+            clock=clock,
+        ),
+        clock=clock,
         admission=(Admission(config.admission, core.metrics) if config.admission.enabled else None),
         engine_authorization=_bearer(config.engine_api_key),
     )
     core.metrics.track_in_flight(lambda: state.in_flight)
+    core.metrics.track_endpoint_in_flight(
+        lambda: ((e.role.value, e.url, e.in_flight) for e in core.registry.all())
+    )
     return state
 
 

@@ -14,7 +14,7 @@ from pdproxy.api.errors import json_response
 from pdproxy.api.state import AppState
 from pdproxy.errors import Unauthorized, UpstreamError
 from pdproxy.resilience.outlier import OutlierDetector
-from pdproxy.types import BreakerState, Endpoint, Role
+from pdproxy.types import BreakerState, Endpoint, EngineLoad, Role
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _authorize(state: AppState, request: Request) -> None:
 async def status(request: Request) -> Response:
     """Same keys as vLLM's disagg_proxy_demo.py, plus per-instance health detail."""
     state = _state(request)
-    endpoints = state.registry.all()
+    endpoints, now = state.registry.all(), state.clock()
     prefill = [e.address.host_port for e in endpoints if e.role is Role.PREFILL]
     decode = [e.address.host_port for e in endpoints if e.role is Role.DECODE]
     return json_response(
@@ -57,13 +57,16 @@ async def status(request: Request) -> Response:
             "decode_node_count": len(decode),
             "prefill_nodes": prefill,
             "decode_nodes": decode,
-            "instances": [describe(e, state.outliers) for e in endpoints],
+            "instances": [describe(e, state.outliers, now=now) for e in endpoints],
         }
     )
 
 
-def describe(endpoint: Endpoint, outliers: OutlierDetector) -> dict[str, Any]:
-    """One instance as ``/status`` and the admin API show it (never a secret)."""
+def describe(
+    endpoint: Endpoint, outliers: OutlierDetector, *, now: float | None = None
+) -> dict[str, Any]:
+    """One instance as ``/status`` and the admin API show it (never a secret); ``now`` is
+    the monotonic time its load figures' age is measured from (None: no ``age_s``)."""
     address = endpoint.address
     health = endpoint.health
     breaker = outliers.state(endpoint)
@@ -85,6 +88,23 @@ def describe(endpoint: Endpoint, outliers: OutlierDetector) -> dict[str, Any]:
         "tp_size": address.tp_size,
         "transfer_mode": address.transfer_mode,
         "models": list(endpoint.models),
+        "engine_load": _describe_load(endpoint.engine_load, now),
+    }
+
+
+def _describe_load(load: EngineLoad | None, now: float | None) -> dict[str, Any] | None:
+    """The engine's last scraped figures, however old (``age_s`` says), or None."""
+    if load is None:
+        return None
+    return {
+        "running": load.running,
+        "waiting": load.waiting,
+        "kv_usage": load.kv_usage,
+        "age_s": None if now is None else round(max(0.0, now - load.scraped_at), 3),
+        "ranks": [
+            {"rank": r.rank, "running": r.running, "waiting": r.waiting, "kv_usage": r.kv_usage}
+            for r in load.ranks
+        ],
     }
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from pdproxy.api.access import RequestFinisher
 from pdproxy.api.errors import JSON, error_body, internal_error
 from pdproxy.api.state import AppState
 from pdproxy.errors import (
@@ -30,6 +32,7 @@ from pdproxy.errors import (
 from pdproxy.exchange import ClientRequest, ProxyResponse
 from pdproxy.lifecycle import Lifecycle
 from pdproxy.relay import SSE_DONE, StreamRelay
+from pdproxy.request_context import RequestTrace, bind, unbind
 from pdproxy.shaping import MESSAGES, MODEL, PROMPT
 from pdproxy.types import ApiKind
 
@@ -49,24 +52,28 @@ class GenerationEndpoint:
     def __init__(self, kind: ApiKind, state: AppState) -> None:
         self.kind = kind
         self._state = state
+        self._finish = RequestFinisher(state.metrics, access_log=state.config.access_log)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self._state
         state.in_flight += 1
-        outcome = "error"
+        headers = _headers(scope)
+        path = self.kind.value
+        trace = RequestTrace(path, state.tracer.start_request(path, headers))
+        token = bind(trace)  # the request's log lines carry its id from here on
         try:
-            headers = _headers(scope)
             _admit(state, headers)
             request = await self._read_request(headers, receive, state)
-            outcome = await _serve(state, request, receive, send)
+            trace.outcome = await _serve(state, request, receive, send, trace)
         except ProxyError as error:
-            outcome = _outcome(error)
-            await _send_error(send, error)
+            trace.outcome = _outcome(error)
+            await _send_error(send, error, trace)
         except _ClientGone:
-            outcome = "client_disconnected"
+            trace.outcome = "client_disconnected"
         finally:
             state.in_flight -= 1
-            state.metrics.count_request(self.kind.value, outcome)
+            self._finish(trace)
+            unbind(token)
 
     async def _read_request(
         self, headers: dict[str, str], receive: Receive, state: AppState
@@ -81,7 +88,10 @@ class GenerationEndpoint:
         body = _parse_body(await _read_body(receive, limit), self.kind)
         # With an engine key the client's own never reaches an engine; else it passes through.
         upstream_auth = state.engine_authorization or headers.get("authorization")
-        return ClientRequest(self.kind, body, headers.get("x-request-id"), upstream_auth)
+        session = headers.get(state.config.scheduling.session_header)
+        return ClientRequest(
+            self.kind, body, headers.get("x-request-id"), upstream_auth, session or None
+        )
 
 
 def _admit(state: AppState, headers: dict[str, str]) -> None:
@@ -92,7 +102,9 @@ def _admit(state: AppState, headers: dict[str, str]) -> None:
         raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
 
 
-async def _serve(state: AppState, request: ClientRequest, receive: Receive, send: Send) -> str:
+async def _serve(
+    state: AppState, request: ClientRequest, receive: Receive, send: Send, trace: RequestTrace
+) -> str:
     """Run the request, cancelling it if the client goes away; returns the outcome label."""
     task = asyncio.current_task()
     disconnected = asyncio.Event()
@@ -102,10 +114,10 @@ async def _serve(state: AppState, request: ClientRequest, receive: Receive, send
         if state.admission is not None:
             await state.admission.acquire()  # a client that leaves stops waiting
             admitted = True
-        response = await _orchestrate(state, request, send)
+        response = await _orchestrate(state, request, send, trace)
         if response is None:
             return "error"
-        return await _send_response(send, response, state.lifecycle)
+        return await _send_response(send, response, state.lifecycle, trace)
     except asyncio.CancelledError:
         if disconnected.is_set():
             _uncancel(task)
@@ -114,10 +126,10 @@ async def _serve(state: AppState, request: ClientRequest, receive: Receive, send
             raise
         _uncancel(task)  # the drain's grace is over and no answer has started
         error = ShuttingDown("pdproxy shut down before the engines answered")
-        await _send_error(send, error)
+        await _send_error(send, error, trace)
         return _outcome(error)
     except ProxyError as error:
-        await _send_error(send, error)
+        await _send_error(send, error, trace)
         return _outcome(error)
     except Exception:
         # The response may have started: nothing more can be said to this client.
@@ -134,7 +146,9 @@ def _uncancel(task: asyncio.Task[Any] | None) -> None:
         task.uncancel()
 
 
-async def _orchestrate(state: AppState, request: ClientRequest, send: Send) -> ProxyResponse | None:
+async def _orchestrate(
+    state: AppState, request: ClientRequest, send: Send, trace: RequestTrace
+) -> ProxyResponse | None:
     """The orchestrator's answer; a proxy bug becomes a generic 500 (and None)."""
     task = asyncio.current_task()
     waiting = state.lifecycle.waiting
@@ -146,7 +160,7 @@ async def _orchestrate(state: AppState, request: ClientRequest, send: Send) -> P
         raise
     except Exception:
         logger.exception("unexpected failure serving %s", request.kind.value)
-        await _send_whole(send, *error_body(internal_error()))
+        await _send_whole(send, trace, *error_body(internal_error()))
         return None
     finally:
         if task is not None:
@@ -163,22 +177,26 @@ async def _watch_disconnect(
         task.cancel()
 
 
-async def _send_response(send: Send, response: ProxyResponse, lifecycle: Lifecycle) -> str:
+async def _send_response(
+    send: Send, response: ProxyResponse, lifecycle: Lifecycle, trace: RequestTrace
+) -> str:
     """Write the response; returns the outcome ("ok", or why a stream ended in error)."""
     headers = [
         (b"content-type", response.content_type.encode("latin-1")),
         (b"x-request-id", response.request_id.encode("latin-1")),
     ]
+    trace.status = response.status
     if response.stream is None:
         headers.append((b"content-length", str(len(response.body)).encode("latin-1")))
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": response.body})
+        trace.first_byte, trace.bytes_sent = time.perf_counter(), len(response.body)
         return "ok"
     headers.append((b"cache-control", b"no-cache"))
     lifecycle.streams.add(response.stream)  # a drain past its grace ends it with an error event
     try:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        await _send_stream(send, response.stream)
+        await _send_stream(send, response.stream, trace)
     finally:
         lifecycle.streams.discard(response.stream)
         response.stream.close()
@@ -186,36 +204,47 @@ async def _send_response(send: Send, response: ProxyResponse, lifecycle: Lifecyc
     return "ok" if failure is None else _outcome(failure)
 
 
-async def _send_stream(send: Send, stream: StreamRelay) -> None:
+async def _send_stream(send: Send, stream: StreamRelay, trace: RequestTrace) -> None:
     """Relay chunk by chunk; the chunk that ends with ``[DONE]`` also ends the response, so
-    the terminator does not cost a write of its own."""
+    the terminator does not cost a write of its own. Per chunk, the only bookkeeping is
+    adding up the bytes sent."""
     finished = False
-    while (chunk := await stream.next_chunk()) is not None:
-        if finished:
-            continue  # nothing follows [DONE] in vLLM's streams
-        finished = chunk.endswith(SSE_DONE)
-        await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
-    if not finished:
-        await send({"type": "http.response.body", "body": b""})
+    sent = 0
+    try:
+        while (chunk := await stream.next_chunk()) is not None:
+            if finished:
+                continue  # nothing follows [DONE] in vLLM's streams
+            finished = chunk.endswith(SSE_DONE)
+            await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
+            if not sent:
+                trace.first_byte = time.perf_counter()
+            sent += len(chunk)
+        if not finished:
+            await send({"type": "http.response.body", "body": b""})
+    finally:
+        trace.bytes_sent = sent
 
 
 async def _send_whole(
     send: Send,
+    trace: RequestTrace,
     status: int,
     body: bytes,
     content_type: str,
     extra: tuple[tuple[bytes, bytes], ...] = (),
 ) -> None:
     headers = [(b"content-type", content_type.encode("latin-1")), *extra]
+    trace.status = status
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+    trace.first_byte, trace.bytes_sent = time.perf_counter(), len(body)
 
 
-async def _send_error(send: Send, error: ProxyError) -> None:
+async def _send_error(send: Send, error: ProxyError, trace: RequestTrace) -> None:
     extra: tuple[tuple[bytes, bytes], ...] = ()
     if isinstance(error, Overloaded):
         extra = ((b"retry-after", str(error.retry_after).encode("latin-1")),)
-    await _send_whole(send, *error_body(error), extra)
+    await _send_whole(send, trace, *error_body(error), extra)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pdproxy.admission import Admission
 from pdproxy.api.auth import ClientKeys
@@ -11,11 +13,13 @@ from pdproxy.engine_client import EngineClient
 from pdproxy.health import HealthChecker
 from pdproxy.kv_release import KVRelease
 from pdproxy.lifecycle import Lifecycle
+from pdproxy.load_scraper import LoadScraper
 from pdproxy.membership import Membership
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
 from pdproxy.registry import EndpointRegistry
 from pdproxy.resilience.outlier import OutlierDetector
+from pdproxy.tracing import NullTracer, Tracer
 
 
 @dataclass(slots=True)
@@ -31,6 +35,9 @@ class AppState:
     release: KVRelease
     keys: ClientKeys
     lifecycle: Lifecycle
+    loads: LoadScraper  # the engines' /metrics scrapes
+    clock: Callable[[], float] = time.monotonic
     admission: Admission | None = None  # None: no --max-concurrent-requests
     engine_authorization: str | None = None  # "Bearer <--engine-api-key>"
     in_flight: int = 0  # client requests being served
+    tracer: Tracer = field(default_factory=NullTracer)  # --otlp-traces-endpoint

@@ -43,6 +43,10 @@ class Transfer:
 
 
 class KVConnector(Protocol):
+    # True when D may be told its DP rank (X-data-parallel-rank): the KV reaches any rank
+    # of D alike (a pull, or shared storage). Push connectors address a rank themselves.
+    routes_decode_rank: bool
+
     def begin(self, decision: PairDecision, client_request_id: str | None) -> Transfer:
         """Fix the request id (and any transfer id) that both legs carry."""
         ...
@@ -99,6 +103,8 @@ class KVConnector(Protocol):
 class SerialConnector:
     """Defaults shared by the adapters: serial legs, the client's request id, no
     ``kv_transfer_params`` on either leg, no bootstrap."""
+
+    routes_decode_rank = False
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> SerialConnector:

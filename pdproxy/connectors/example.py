@@ -12,5 +12,7 @@ from pdproxy.connectors import SerialConnector, Transfer
 
 
 class ExampleConnector(SerialConnector):
+    routes_decode_rank = True  # every rank of D reads the shared storage alike
+
     def decode_retry_reuses_prefill(self, transfer: Transfer, reason: str) -> bool:
         return True

@@ -49,6 +49,8 @@ PREFILL_PARAMS: Mapping[str, Any] = {
 
 
 class NixlConnector(SerialConnector):
+    routes_decode_rank = True  # any of D's ranks pulls from P alike
+
     def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
         return prefill_body(original, PREFILL_PARAMS)
 

@@ -7,10 +7,14 @@ import pytest
 
 from engines.sim import SimConfig, running_sim
 from pdproxy.config import ProxyConfig
+from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import EngineAddress
 from tests.servers import running_proxy
 
 MODEL = "sim-model"
+# These tiers test the request path, so they spread requests in a known order; the
+# policies have their own tests (tests/unit/scheduling, tests/integration/test_policies.py).
+ROUND_ROBIN = SchedulingConfig(prefill_policy="round-robin", decode_policy="round-robin")
 
 
 @contextlib.asynccontextmanager
@@ -40,7 +44,7 @@ async def deployment(
         config = ProxyConfig(
             prefill=tuple(EngineAddress(url=s.url) for s in prefills),
             decode=tuple(EngineAddress(url=s.url) for s in decodes),
-            **{"kv_connector": connector, **(proxy or {})},
+            **{"kv_connector": connector, "scheduling": ROUND_ROBIN, **(proxy or {})},
         )
         proxy = await stack.enter_async_context(running_proxy(config))
         yield Deployment(proxy, prefills, decodes, single)

@@ -184,7 +184,10 @@ async def test_client_disconnect_during_prefill_closes_prefill_and_skips_decode(
 
 
 class _BrokenScheduler:
-    def schedule(self, snapshot):
+    def features(self, body, session):
+        return None
+
+    def schedule(self, features, snapshot):
         raise RuntimeError("internal detail that must not leak")
 
 

@@ -21,7 +21,7 @@ from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.config import ProxyConfig, RegistryConfig
 from pdproxy.types import EngineAddress
-from tests.integration.conftest import MODEL
+from tests.integration.conftest import MODEL, ROUND_ROBIN
 from tests.servers import running_proxy
 
 MORIIO_PREFILL = re.compile(r"___prefill_addr_(.+?)___decode_addr_")
@@ -93,6 +93,7 @@ async def fleet(case: Case):
         config = ProxyConfig(
             kv_connector=case.connector,
             registry=RegistryConfig(port=port, host="127.0.0.1", ttl=2.0, sweep_interval=0.1),
+            scheduling=ROUND_ROBIN,
             **static,
         )
         proxy = await stack.enter_async_context(running_proxy(config))

@@ -24,7 +24,8 @@ from pdproxy.orchestrator import Orchestrator
 from pdproxy.registry import EndpointRegistry
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
-from pdproxy.scheduling.round_robin import RoundRobinScheduler
+from pdproxy.scheduling.scheduler import Scheduler
+from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import ApiKind, Endpoint, EngineAddress, Role, Source
 
 REQUEST = ClientRequest(ApiKind.COMPLETIONS, {"model": "m", "prompt": "p"}, None, None)
@@ -78,7 +79,12 @@ def _orchestrator(legs, *, connector="nixl", decodes=2, retry=None):
     retry = retry or RetryConfig(initial_backoff=0.001, max_backoff=0.001)
     orchestrator = Orchestrator(
         registry=registry,
-        scheduler=RoundRobinScheduler(),
+        scheduler=Scheduler(
+            SchedulingConfig(prefill_policy="round-robin", decode_policy="round-robin"),
+            clock=lambda: 0.0,
+            rng=random.Random(1),
+            max_age=3.0,
+        ),
         connector=load_connector(config),
         legs=legs,
         outliers=OutlierDetector(OutlierConfig(), lambda: 0.0),

@@ -1,9 +1,24 @@
+import random
+
 import pytest
 
 from pdproxy.errors import NoEndpointAvailable
 from pdproxy.registry import EndpointRegistry
-from pdproxy.scheduling.round_robin import RoundRobinScheduler
+from pdproxy.scheduling.context import RequestFeatures
+from pdproxy.scheduling.scheduler import Scheduler
+from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Source
+
+
+class RoundRobinScheduler:
+    """Round robin on both roles through the scheduler, as pdproxy had before policies."""
+
+    def __init__(self):
+        config = SchedulingConfig(prefill_policy="round-robin", decode_policy="round_robin")
+        self._scheduler = Scheduler(config, clock=lambda: 0.0, rng=random.Random(0), max_age=3)
+
+    def schedule(self, snapshot):
+        return self._scheduler.schedule(RequestFeatures(), snapshot)
 
 
 class Clock:

@@ -1,0 +1,36 @@
+"""The end of a client request: its metrics, its span and its access line.
+
+One access line per generation request, at info on ``pdproxy.access`` (``--no-access-log``
+silences it): endpoint, status, outcome, the prefill and decode chosen (and P's DP rank),
+retries, the prefill leg's and the decode headers' times, the client's time to first byte
+and in all, the body bytes sent, and whether it was served decode-only. Never a prompt or
+a key. With the access log off and tracing off, finishing costs two metric updates.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdproxy.metrics import ProxyMetrics
+from pdproxy.request_context import RequestTrace
+
+access_logger = logging.getLogger("pdproxy.access")
+
+
+class RequestFinisher:
+    def __init__(self, metrics: ProxyMetrics, *, access_log: bool) -> None:
+        self._metrics = metrics
+        self._access_log = access_log
+
+    def __call__(self, trace: RequestTrace) -> None:
+        trace.finished = finished = time.perf_counter()
+        self._metrics.count_request(trace.endpoint, trace.outcome)
+        # The client's latency is the engines' answer's: refusals would only blur it.
+        if trace.first_byte is not None and 0 < trace.status < 400:
+            self._metrics.observe_request(
+                trace.endpoint, trace.first_byte - trace.started, finished - trace.started
+            )
+        trace.span.end(trace.span_attributes)
+        if self._access_log and access_logger.isEnabledFor(logging.INFO):
+            access_logger.info("request finished", extra={"fields": trace.access_fields()})

@@ -1,0 +1,67 @@
+"""What the scheduling plugins know about one request and the moment it is scheduled."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdproxy.types import Endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """The request as scheduling sees it; built by ``scheduling.features``.
+
+    ``blocks`` are chained hashes of the rendered prompt, one per ``block_chars``
+    characters (empty unless a prefix index needs them): block ``i`` stands for the whole
+    prompt up to its end, as vLLM's block hashes do.
+    """
+
+    model: str | None = None
+    tokens: float = 0.0  # estimated prompt tokens
+    session: str | None = None  # consistent-hash key
+    blocks: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class Context:
+    """One scheduling decision's inputs: the request, the time, how old load figures may
+    be, and what was already computed for it (prefix matches, loads), shared by plugins."""
+
+    features: RequestFeatures
+    now: float  # monotonic
+    max_age: float  # engine load figures older than this are ignored
+    matches: dict[int, dict[str, int]] = field(default_factory=dict)  # id(index) -> url -> depth
+    _loads_of: Sequence[Endpoint] | None = None  # the last ``loads`` call, reused by plugins
+    _loads: list[float] = field(default_factory=list)
+
+    def load(self, endpoint: Endpoint) -> float:
+        """An endpoint's load: the proxy's own legs in flight plus the requests bound for it
+        whose leg has not started (exact, live), plus, when its engine's last scrape is
+        fresh, the requests the engine runs or queues for others (other replicas, other
+        clients): its running + waiting less this proxy's legs at that scrape. Trusting
+        the raw engine figure instead would make a burst the proxy already moved elsewhere
+        look like load for a whole scrape interval, and herd the next burst."""
+        return self.loads((endpoint,))[0]
+
+    def loads(self, endpoints: Sequence[Endpoint]) -> list[float]:
+        """``load`` of each endpoint in one pass (the hot loop of every load-aware policy);
+        a second call for the same sequence reuses the first's answer."""
+        if endpoints is self._loads_of:
+            return self._loads
+        oldest = self.now - self.max_age
+        self._loads_of = endpoints
+        self._loads = [
+            e.in_flight + e.reserved + f.others
+            if (f := e.engine_load) is not None and f.scraped_at >= oldest
+            else e.in_flight + e.reserved
+            for e in endpoints
+        ]
+        return self._loads
+
+    def kv_usage(self, endpoint: Endpoint) -> float | None:
+        """The engine's KV-cache usage (0..1) when its last scrape is fresh."""
+        figures = endpoint.engine_load
+        if figures is None or self.now - figures.scraped_at > self.max_age:
+            return None
+        return figures.kv_usage

@@ -1,0 +1,57 @@
+"""Filters: which candidates are worth scoring. (Routability, health and ejection are
+the first filters; the orchestrator applies them to the registry's snapshot before a
+policy runs, since a retry must also avoid the instances it already tried.)"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdproxy.scheduling.context import Context
+from pdproxy.types import Endpoint
+
+
+class ModelFilter:
+    """Instances known to serve the request's model (or not yet known to serve any).
+
+    When none does, all stay: the engine's own 404 is the right answer, not a 503."""
+
+    type_name = "model-filter"
+
+    def __init__(self) -> None:
+        self._single_model: tuple[Sequence[Endpoint], str] | None = None
+
+    def filter(self, ctx: Context, endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        model = ctx.features.model
+        if model is None:
+            return endpoints
+        known = self._single_model  # the last snapshot, when it served this model alone
+        if known is not None and known[0] is endpoints and known[1] == model:
+            return endpoints
+        if all(not e.models or model in e.models for e in endpoints):
+            self._single_model = (endpoints, model)
+            return endpoints
+        kept = [e for e in endpoints if not e.models or model in e.models]
+        return kept or endpoints
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadFilter:
+    """Drops instances far busier than the least busy one: more than ``abs_threshold``
+    requests above it *and* more than ``rel_threshold`` times it (SMG's
+    ``balance_abs_threshold`` / ``balance_rel_threshold``). Cache affinity then chooses
+    only among instances that can take the work."""
+
+    abs_threshold: float
+    rel_threshold: float
+    type_name = "overload-filter"
+
+    def filter(self, ctx: Context, endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        if len(endpoints) < 2:
+            return endpoints
+        loads = ctx.loads(endpoints)
+        floor = min(loads)
+        limit = max(floor + self.abs_threshold, floor * self.rel_threshold)
+        if max(loads) <= limit:
+            return endpoints
+        return [e for e, load in zip(endpoints, loads, strict=True) if load <= limit]

@@ -1,0 +1,113 @@
+"""Pickers: the final choice among scored candidates."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from pdproxy.scheduling import Picker
+from pdproxy.scheduling.context import Context
+from pdproxy.scheduling.hash_ring import HashRings
+from pdproxy.types import Endpoint
+
+
+class MaxScorePicker:
+    """The highest score; ties go to the least loaded of them (``by_load``), then at
+    random, so equal instances share the work."""
+
+    type_name = "max-score-picker"
+
+    def __init__(self, rng: random.Random, *, by_load: bool = False) -> None:
+        self._rng = rng
+        self._by_load = by_load
+
+    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+        best = max(scores)
+        ties = scores.count(best)
+        if ties == 1:
+            return endpoints[scores.index(best)]
+        top = endpoints  # everyone ties (nobody scored): keep the sequence, and its loads
+        if ties < len(endpoints):
+            top = [e for e, s in zip(endpoints, scores, strict=True) if s == best]
+        if self._by_load:
+            return least_loaded(ctx, top, self._rng)
+        return self._rng.choice(top)
+
+
+class LeastLoadedPicker:
+    """The fewest requests in flight (``Context.loads``); ties at random. It needs no
+    scores: the load is the whole criterion."""
+
+    type_name = "least-loaded-picker"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+        return least_loaded(ctx, endpoints, self._rng)
+
+
+def least_loaded(ctx: Context, endpoints: Sequence[Endpoint], rng: random.Random) -> Endpoint:
+    loads = ctx.loads(endpoints)
+    lowest = min(loads)
+    ties = loads.count(lowest)
+    if ties == 1:
+        return endpoints[loads.index(lowest)]
+    if ties == len(loads):
+        return rng.choice(endpoints)
+    return rng.choice([e for e, load in zip(endpoints, loads, strict=True) if load == lowest])
+
+
+class RoundRobinPicker:
+    """Each candidate in turn, ignoring scores."""
+
+    type_name = "round-robin-picker"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+        self._turn += 1
+        return endpoints[(self._turn - 1) % len(endpoints)]
+
+
+class RandomPicker:
+    type_name = "random-picker"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+        return self._rng.choice(endpoints)
+
+
+class PowerOfTwoPicker:
+    """Two candidates at random, the less loaded of them (ties: the first drawn). It
+    needs no scores: only the two drawn instances' loads are looked at."""
+
+    type_name = "power-of-two-picker"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+        a, b = self._rng.sample(endpoints, 2)
+        load_a, load_b = ctx.loads((a, b))
+        return b if load_b < load_a else a
+
+
+class ConsistentHashPicker:
+    """The instance owning the request's session key on a hash ring of the candidates;
+    without a key, ``fallback`` decides."""
+
+    type_name = "consistent-hash-picker"
+
+    def __init__(self, fallback: Picker) -> None:
+        self._rings = HashRings()
+        self._fallback = fallback
+
+    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+        key = ctx.features.session
+        if key is None:
+            return self._fallback.pick(ctx, endpoints, scores)
+        return self._rings.owner(key, endpoints)

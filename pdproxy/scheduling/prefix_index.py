@@ -1,0 +1,98 @@
+"""An approximate, bounded index of which instances hold which prompt prefixes.
+
+Each entry maps a chained block hash (``features.block_hashes``) to the set of
+instances, as a bit mask, that were sent a prompt with that prefix. Entries live in LRU
+order and the index never holds more than ``max_blocks`` of them: an unbounded prefix
+tree is how a router runs out of memory (production-stack #687). An instance that leaves
+is forgotten at once (its bit is cleared everywhere; emptied entries go), and its bit is
+then reused.
+
+It is approximate by design: the engines evict their own caches, and a restarted engine
+has none. A wrong guess costs a cache miss, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class PrefixIndex:
+    def __init__(self, max_blocks: int) -> None:
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be >= 1")
+        self.max_blocks = max_blocks
+        self._entries: OrderedDict[int, int] = OrderedDict()
+        self._bits: dict[str, int] = {}  # url -> bit
+        self._free: list[int] = []
+        self._next_bit = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def match(self, blocks: tuple[int, ...]) -> dict[str, int]:
+        """For every instance holding at least the first block: how many leading blocks of
+        ``blocks`` it holds."""
+        depths: dict[str, int] = {}
+        if not blocks or not self._entries:
+            return depths
+        entries = self._entries
+        alive = entries.get(blocks[0], 0)
+        depth = 0
+        for block in blocks:
+            still = alive & entries.get(block, 0)
+            if still != alive:
+                self._record(alive & ~still, depth, depths)
+                alive = still
+                if not alive:
+                    break
+            depth += 1
+        if alive:
+            self._record(alive, depth, depths)
+        return depths
+
+    def _record(self, mask: int, depth: int, into: dict[str, int]) -> None:
+        if depth == 0:
+            return
+        for url, bit in self._bits.items():
+            if mask >> bit & 1:
+                into[url] = depth
+
+    def insert(self, blocks: Iterable[int], url: str) -> None:
+        """Remember that ``url`` now holds the prefix ``blocks``."""
+        bit = 1 << self._bit(url)
+        entries = self._entries
+        for block in blocks:
+            mask = entries.pop(block, 0)
+            entries[block] = mask | bit  # re-inserted: most recently used
+        while len(entries) > self.max_blocks:
+            entries.popitem(last=False)
+
+    def forget(self, url: str) -> None:
+        """``url`` left the fleet: clear it everywhere and free its bit."""
+        bit = self._bits.pop(url, None)
+        if bit is None:
+            return
+        keep = ~(1 << bit)
+        entries = self._entries
+        for block, mask in list(entries.items()):
+            mask &= keep
+            if mask:
+                entries[block] = mask
+            else:
+                del entries[block]
+        self._free.append(bit)
+
+    def instances(self) -> list[str]:
+        return list(self._bits)
+
+    def _bit(self, url: str) -> int:
+        bit = self._bits.get(url)
+        if bit is None:
+            if self._free:
+                bit = self._free.pop()
+            else:
+                bit = self._next_bit
+                self._next_bit += 1
+            self._bits[url] = bit
+        return bit

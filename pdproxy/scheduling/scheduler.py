@@ -1,0 +1,105 @@
+"""The scheduler: runs a policy per role and the decider for one request.
+
+prefill candidates → decider (with the best prefix-index hit on a prefill) →
+prefill policy (and a DP rank on it) → decode policy. With no prefill routable the
+request fails with 503, or goes to a decode alone under ``--decode-only-fallback``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pdproxy.errors import NoEndpointAvailable
+from pdproxy.scheduling import Decider
+from pdproxy.scheduling.context import Context, RequestFeatures
+from pdproxy.scheduling.deciders import AlwaysDisaggregate, PromptSizeDecider
+from pdproxy.scheduling.features import FeatureConfig, extract
+from pdproxy.scheduling.policies import build_policy
+from pdproxy.scheduling.ranks import RankChooser
+from pdproxy.scheduling.scorers import prefix_matches
+from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
+
+SHORT_PROMPT = "short_prompt"
+NO_PREFILL = "no_prefill"
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulingConfig,
+        *,
+        clock: Callable[[], float],
+        rng: random.Random,
+        max_age: float,
+    ) -> None:
+        self.prefill = build_policy(config.prefill_policy, config, rng)
+        self.decode = build_policy(config.decode_policy, config, rng)
+        self._decider: Decider = (
+            PromptSizeDecider(config.pd_threshold_tokens)
+            if config.pd_threshold_tokens > 0
+            else AlwaysDisaggregate()
+        )
+        self.decode_only_fallback = config.decode_only_fallback
+        self._features = FeatureConfig(config.chars_per_token, config.prefix_block_chars)
+        self._want_blocks = self.prefill.index is not None or self.decode.index is not None
+        self._clock = clock
+        self._max_age = max_age
+        self._ranks = {Role.PREFILL: RankChooser(), Role.DECODE: RankChooser()}
+
+    def features(self, body: Mapping[str, Any], session: str | None) -> RequestFeatures:
+        return extract(body, session, self._features, want_blocks=self._want_blocks)
+
+    def schedule(self, features: RequestFeatures, snapshot: Snapshot) -> PairDecision | DecodeOnly:
+        """A prefill and a decode, or a decode alone; raises ``NoEndpointAvailable``."""
+        if not snapshot.decode:
+            raise NoEndpointAvailable("no decode instance is available")
+        ctx = Context(features, self._clock(), self._max_age)
+        if not snapshot.prefill:
+            if not self.decode_only_fallback:
+                raise NoEndpointAvailable("no prefill instance is available")
+            return self._decode_only(ctx, snapshot.decode, NO_PREFILL)
+        if not self._decider.disaggregate(ctx, self._cached_tokens(ctx)):
+            return self._decode_only(ctx, snapshot.decode, SHORT_PROMPT)
+        prefill = self.prefill.choose(ctx, snapshot.prefill)
+        decode = self.decode.choose(ctx, snapshot.decode)
+        return PairDecision(
+            prefill,
+            decode,
+            self._ranks[Role.PREFILL].choose(ctx, prefill),
+            self._ranks[Role.DECODE].choose(ctx, decode),
+        )
+
+    def pick(
+        self, role: Role, features: RequestFeatures, candidates: Sequence[Endpoint]
+    ) -> tuple[Endpoint, int | None]:
+        """Another instance of ``role`` (and its DP rank) for a retry."""
+        if not candidates:
+            raise NoEndpointAvailable(f"no {role.value} instance is available")
+        ctx = Context(features, self._clock(), self._max_age)
+        policy = self.prefill if role is Role.PREFILL else self.decode
+        chosen = policy.choose(ctx, candidates)
+        return chosen, self._ranks[role].choose(ctx, chosen)
+
+    def forget(self, url: str) -> None:
+        """An instance left the fleet: drop it from the prefix indexes."""
+        for policy in (self.prefill, self.decode):
+            if policy.index is not None:
+                policy.index.forget(url)
+
+    def _decode_only(self, ctx: Context, decodes: Sequence[Endpoint], reason: str) -> DecodeOnly:
+        decode = self.decode.choose(ctx, decodes)
+        return DecodeOnly(decode, reason, self._ranks[Role.DECODE].choose(ctx, decode))
+
+    def _cached_tokens(self, ctx: Context) -> float:
+        index = self.prefill.index
+        blocks = ctx.features.blocks
+        if index is None or not blocks or isinstance(self._decider, AlwaysDisaggregate):
+            return 0.0
+        depths = prefix_matches(ctx, index)
+        if not depths:
+            return 0.0
+        share = max(depths.values()) / len(blocks)
+        return ctx.features.tokens * share

@@ -1,0 +1,81 @@
+"""How requests are scheduled (``--policy`` and friends): a frozen, validated dataclass
+and the policy name table, with vllm-router's and SMG's spellings as aliases."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pdproxy.errors import ConfigError
+
+PolicyName = Literal[
+    "round-robin",
+    "random",
+    "least-loaded",
+    "power-of-two",
+    "consistent-hash",
+    "prefix-affinity",
+    "kv-aware",
+]
+POLICIES: tuple[PolicyName, ...] = (
+    "round-robin",
+    "random",
+    "least-loaded",
+    "power-of-two",
+    "consistent-hash",
+    "prefix-affinity",
+    "kv-aware",
+)
+# Other routers' names for the same policies, so their users switch by changing the binary.
+POLICY_ALIASES: dict[str, PolicyName] = {
+    "cache-aware": "prefix-affinity",  # vllm-router, SMG: cache_aware
+    "prefix-hash": "prefix-affinity",  # SMG
+    "consistent-hashing": "consistent-hash",  # SMG
+    "least-load": "least-loaded",
+}
+# Chosen by `make bench-sched` (docs/benchmarks.md): see the README's policy guide.
+DEFAULT_PREFILL_POLICY: PolicyName = "prefix-affinity"
+DEFAULT_DECODE_POLICY: PolicyName = "least-loaded"
+
+
+def canonical_policy(name: str) -> PolicyName:
+    """``name`` as one of ``POLICIES``; underscores and case are forgiven."""
+    key = name.strip().lower().replace("_", "-")
+    if key in POLICY_ALIASES:
+        return POLICY_ALIASES[key]
+    for policy in POLICIES:
+        if policy == key:
+            return policy
+    choices = ", ".join(POLICIES)
+    raise ConfigError(f"unknown scheduling policy {name!r}; choose from {choices}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulingConfig:
+    prefill_policy: str = DEFAULT_PREFILL_POLICY
+    decode_policy: str = DEFAULT_DECODE_POLICY
+    session_header: str = "x-session-id"  # consistent-hash key (else the body's "user")
+    pd_threshold_tokens: int = 0  # 0: every request is disaggregated
+    decode_only_fallback: bool = False  # no prefill routable: serve on a decode alone
+    chars_per_token: float = 4.0
+    prefix_block_chars: int = 256
+    prefix_index_max_blocks: int = 262_144
+    balance_abs_threshold: float = 4.0
+    balance_rel_threshold: float = 1.5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill_policy", canonical_policy(self.prefill_policy))
+        object.__setattr__(self, "decode_policy", canonical_policy(self.decode_policy))
+        object.__setattr__(self, "session_header", self.session_header.strip().lower())
+        if not self.session_header:
+            raise ConfigError("--session-header must not be empty")
+        if self.pd_threshold_tokens < 0:
+            raise ConfigError("--pd-threshold-tokens must be >= 0")
+        if self.chars_per_token <= 0:
+            raise ConfigError("--chars-per-token must be positive")
+        if self.prefix_block_chars < 1 or self.prefix_index_max_blocks < 1:
+            raise ConfigError("--prefix-block-chars and --prefix-index-max-blocks must be >= 1")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ConfigError(
+                "--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1"
+            )

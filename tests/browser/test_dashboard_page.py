@@ -1,0 +1,188 @@
+"""The live dashboard in a real headless Chromium, in front of a 2P2D sim fleet.
+
+The page must show the four instances and live request figures, show a killed decode as
+down within a bounded time, fetch nothing from any origin but pdproxy's, weigh under
+200 KB, and run without a script error. Screenshots land in the test's tmp_path (printed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+
+from tests.faults.harness import all_ok, drive, fleet
+
+pytestmark = pytest.mark.browser
+
+PAGE_BUDGET = 200 * 1024  # bytes: HTML, CSS and JS together
+SHOWS_DOWN_WITHIN_S = 10.0  # health checks every 0.25 s, the page polls every 1 s
+LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
+NUMBER = re.compile(r"^\d+(\.\d+)?$")
+
+
+class Watch:
+    """What the page did: requests outside loopback (blocked), script errors, bytes."""
+
+    def __init__(self) -> None:
+        self.blocked: list[str] = []
+        self.errors: list[str] = []
+        self.asset_bytes: dict[str, int] = {}
+
+    async def route(self, route) -> None:
+        url = route.request.url
+        if urlsplit(url).hostname in LOOPBACK:
+            await route.continue_()
+        else:
+            self.blocked.append(url)
+            await route.abort()
+
+    def console(self, message) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
+
+    async def response(self, response) -> None:
+        path = urlsplit(response.url).path
+        if path.startswith("/dashboard") and path != "/dashboard/data":
+            self.asset_bytes[path] = len(await response.body())
+
+
+async def text(page, selector: str) -> str:
+    return (await page.text_content(selector) or "").strip()
+
+
+async def window(proxy_url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(proxy_url + "/dashboard/data") as r:
+        return (await r.json())["window"]
+
+
+async def test_dashboard_shows_the_fleet_live(chromium, tmp_path):
+    from playwright.async_api import async_playwright
+
+    async with fleet() as f, async_playwright() as pw:
+        all_ok(await drive(f, 16))
+        browser = await pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            context = await browser.new_context(viewport={"width": 1440, "height": 900})
+            watch = Watch()
+            await context.route("**/*", watch.route)
+            page = await context.new_page()
+            page.on("console", watch.console)
+            page.on("pageerror", lambda exc: watch.errors.append(str(exc)))
+            page.on("response", watch.response)
+
+            await page.goto(f.proxy.url + "/dashboard")
+
+            # Every instance, under its role, up.
+            await page.wait_for_selector('[data-rows] tr[data-status="up"] >> nth=3')
+            for role, sims in (("prefill", f.prefills), ("decode", f.decodes)):
+                rows = page.locator(f'[data-rows="{role}"] tr[data-url]')
+                assert sorted(await rows.evaluate_all("rs => rs.map(r => r.dataset.url)")) == (
+                    sorted(s.url for s in sims)
+                )
+            assert await text(page, "#readiness") == "ready"
+            assert "live" in await text(page, "#live-text")
+
+            # Live figures: the requests made before the page opened, with their unit.
+            rate = await text(page, '[data-kpi="rate"]')
+            assert NUMBER.match(rate) and float(rate) > 0, rate
+            assert "16 requests" in await text(page, '[data-note="rate"]')
+            assert await text(page, '[data-kpi="errors"]') == "0"
+            await _check_ttft(page, f.proxy.url)
+
+            # Steady traffic while it is open: the figures move without a reload, and the
+            # sparklines fill in (a point per 2 s).
+            trickle = asyncio.create_task(_trickle(f))
+            await page.wait_for_function(
+                """() => parseInt(document.querySelector('[data-note="rate"]').textContent) > 16""",
+                timeout=5000,
+            )
+            await page.wait_for_function(
+                """() => document.querySelector('[data-spark="rate"]').dataset.points >= 3""",
+                timeout=10_000,
+            )
+            await page.screenshot(path=tmp_path / "dashboard.png", full_page=True)
+
+            # A decode dies: its row turns down within the bound, the others stay up.
+            victim = f.decodes[0]
+            await victim.kill()
+            started = time.monotonic()
+            await page.wait_for_selector(
+                f'tr[data-url="{victim.url}"][data-status="down"]',
+                timeout=SHOWS_DOWN_WITHIN_S * 1000,
+            )
+            shown_after = time.monotonic() - started
+            health = await text(page, f'tr[data-url="{victim.url}"] [data-field="health"]')
+            assert health.startswith("unhealthy"), health
+            assert await page.locator('tr[data-status="up"]').count() == 3
+            assert "1 up" in await text(page, '[data-summary="decode"]')
+            await asyncio.sleep(2)  # a sparkline point after the kill
+            await page.screenshot(path=tmp_path / "dashboard-decode-down.png", full_page=True)
+            trickle.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await trickle
+
+            # The same page, dark.
+            await page.emulate_media(color_scheme="dark")
+            await page.screenshot(path=tmp_path / "dashboard-dark.png", full_page=True)
+            print(f"\ndashboard screenshots in {tmp_path} (down shown after {shown_after:.1f} s)")
+
+            assert not watch.blocked, watch.blocked
+            assert not watch.errors, watch.errors
+            assert set(watch.asset_bytes) == {
+                "/dashboard",
+                "/dashboard/dashboard.css",
+                "/dashboard/dashboard.js",
+            }
+            assert sum(watch.asset_bytes.values()) < PAGE_BUDGET, watch.asset_bytes
+        finally:
+            await browser.close()
+
+
+async def _trickle(f) -> None:
+    """Two requests at a time, about four a second, until cancelled."""
+    for i in range(1000, 100_000, 2):
+        await drive(f, 2, concurrency=2, start=i)
+        await asyncio.sleep(0.25)
+
+
+async def _check_ttft(page, proxy_url: str) -> None:
+    """TTFT shows with its unit whenever pdproxy's histogram has first bytes in the window."""
+    figures = await window(proxy_url)
+    p50 = await text(page, '[data-kpi="p50"]')
+    if figures["ttft_p50_seconds"] is None:
+        assert p50 == "—"
+    else:
+        await page.wait_for_function(
+            """() => document.querySelector('[data-kpi="p50"]').textContent !== '—'"""
+        )
+        p50 = await text(page, '[data-kpi="p50"]')
+        assert NUMBER.match(p50), p50
+        assert await text(page, '[data-unit="p50"]') in ("ms", "s")
+
+
+async def test_page_asks_for_the_key_when_metrics_are_protected(chromium, tmp_path):
+    from playwright.async_api import async_playwright
+
+    key = "browser-test-key"
+    proxy = {"api_keys": (key,), "protect_metrics": True}
+    async with fleet(n_prefill=1, n_decode=1, proxy=proxy) as f, async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = await browser.new_page()
+            await page.goto(f.proxy.url + "/dashboard")
+            await page.wait_for_selector("#keyform:not([hidden])")
+            assert await page.locator("tr[data-url]").count() == 0
+            await page.screenshot(path=tmp_path / "dashboard-key-prompt.png")
+            await page.fill("#key", key)
+            await page.click("#keyform button")
+            await page.wait_for_selector('tr[data-status="up"] >> nth=1')
+            assert await page.is_hidden("#keyform")
+            await page.screenshot(path=tmp_path / "dashboard-with-key.png")
+        finally:
+            await browser.close()

@@ -1,0 +1,245 @@
+"""``GET /dashboard`` and its JSON, ``GET /dashboard/data``, against a 2P2D sim fleet behind
+a real pdproxy: the shape, figures that follow the traffic and an instance that dies, the
+page's own files (weight, CSP, nothing from another origin), ``--no-dashboard`` and keys."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import aiohttp
+import pytest
+
+from pdproxy.cli import parse_config
+from tests.faults.harness import all_ok, drive, fleet
+
+KEY = "dashboard-test-key"
+PAGE_FILES = ("/dashboard", "/dashboard/dashboard.css", "/dashboard/dashboard.js")
+PAGE_BUDGET = 200 * 1024  # bytes, the whole page
+# The only absolute URL the page's files may hold: SVG's namespace name, never fetched.
+ALLOWED_ABSOLUTE = {"http://www.w3.org/2000/svg"}
+# Absolute URLs, and protocol-relative ones in an attribute (src="//cdn...").
+ABSOLUTE_URL = re.compile(r"""https?://[^\s"'<>)]+|(?:src|href|action)\s*=\s*["']//[^"']*""")
+
+INSTANCE_FIELDS = {
+    "role",
+    "address",
+    "url",
+    "source",
+    "state",
+    "routable",
+    "health",
+    "breaker",
+    "ejected",
+    "ejected_for_seconds",
+    "overloaded",
+    "consecutive_failures",
+    "ejections",
+    "in_flight",
+    "rank_in_flight",
+    "engine_load",
+    "dp_size",
+    "models",
+}
+WINDOW_FIELDS = {
+    "seconds",
+    "requests",
+    "errors",
+    "requests_per_second",
+    "errors_per_second",
+    "error_ratio",
+    "ttft_p50_seconds",
+    "ttft_p99_seconds",
+    "errors_by_outcome",
+}
+
+
+async def get(session: aiohttp.ClientSession, url: str, **kw):
+    async with session.get(url, **kw) as r:
+        return r.status, r.headers, await r.read()
+
+
+async def data(session: aiohttp.ClientSession, base: str, **kw) -> dict:
+    async with session.get(base + "/dashboard/data", **kw) as r:
+        assert r.status == 200, await r.text()
+        assert r.headers["Cache-Control"] == "no-store"
+        return await r.json()
+
+
+async def eventually(s: aiohttp.ClientSession, base: str, predicate, *, timeout: float) -> dict:
+    """The first answer of /dashboard/data that satisfies ``predicate``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        d = await data(s, base)
+        if predicate(d) or time.monotonic() > deadline:
+            return d
+        await asyncio.sleep(0.1)
+
+
+async def test_data_lists_every_instance_with_its_state():
+    async with fleet() as f, aiohttp.ClientSession() as s:
+        d = await data(s, f.proxy.url)
+
+        assert d["schema"] == 1
+        assert set(d) == {"schema", "proxy", "instances", "window", "series", "totals"}
+        assert d["proxy"]["ready"] is True and d["proxy"]["kv_connector"] == "nixl"
+        assert d["proxy"]["in_flight"] == 0 and d["proxy"]["uptime_seconds"] >= 0
+        instances = d["instances"]
+        assert [i["role"] for i in instances] == ["decode", "decode", "prefill", "prefill"]
+        assert {i["url"] for i in instances} == {e.url for e in f.engines}
+        for i in instances:
+            assert set(i) >= INSTANCE_FIELDS, INSTANCE_FIELDS - set(i)
+            assert (i["state"], i["health"], i["breaker"]) == ("ready", "healthy", "closed")
+            assert i["routable"] is True and i["ejected"] is False and i["dp_size"] == 1
+            assert i["source"] == "static" and i["in_flight"] == 0
+            load = i["engine_load"]
+            fields = {"running", "waiting", "kv_usage", "age_seconds", "fresh", "ranks"}
+            assert load is None or set(load) >= fields, load
+        assert set(d["window"]) >= WINDOW_FIELDS
+        series = d["series"]
+        assert series["step_seconds"] == 2 and series["span_seconds"] == 300
+        columns = ("t", "requests_per_second", "errors_per_second")
+        assert len({len(series[c]) for c in (*columns, "ttft_p50_seconds")}) == 1
+
+
+async def test_engine_figures_show_once_scraped():
+    async with fleet() as f, aiohttp.ClientSession() as s:
+        d = await eventually(
+            s, f.proxy.url, lambda d: all(i["engine_load"] for i in d["instances"]), timeout=5
+        )
+        for i in d["instances"]:
+            load = i["engine_load"]
+            assert load is not None, i["url"]
+            assert load["fresh"] is True and load["age_seconds"] < 5
+            assert load["running"] == 0 and 0 <= load["kv_usage"] <= 1
+
+
+async def test_figures_follow_the_requests():
+    async with fleet() as f, aiohttp.ClientSession() as s:
+        before = await data(s, f.proxy.url)
+        all_ok(await drive(f, 12))
+
+        d = await data(s, f.proxy.url)
+
+        ok_before = before["totals"]["requests"].get("ok", 0)
+        assert d["totals"]["requests"]["ok"] == ok_before + 12
+        window = d["window"]
+        assert window["requests"] >= 12 and window["requests_per_second"] > 0
+        assert window["errors"] == 0 and window["error_ratio"] == 0
+        assert window["errors_by_outcome"] == {}
+        assert d["proxy"]["uptime_seconds"] > before["proxy"]["uptime_seconds"]
+
+
+async def test_ttft_quantiles_come_from_the_histogram():
+    """Known observations in pdproxy's own TTFT histogram give Prometheus's quantiles."""
+    async with fleet() as f, aiohttp.ClientSession() as s:
+        before = (await data(s, f.proxy.url))["totals"]["ttft"]["count"]
+        ttft = f.state.metrics.ttft_seconds.labels("/v1/completions")
+        for _ in range(100):
+            ttft.observe(0.03)  # all in the (0.025, 0.05] bucket
+
+        d = await data(s, f.proxy.url)
+
+        totals = d["totals"]["ttft"]
+        assert totals["count"] == before + 100
+        assert len(totals["bucket_counts"]) == len(totals["bucket_bounds"]) + 1
+        assert totals["bucket_counts"][-1] == totals["count"]
+        if before == 0:  # nothing else observed: the quantiles are exact
+            assert d["window"]["ttft_p50_seconds"] == pytest.approx(0.0375)
+            assert d["window"]["ttft_p99_seconds"] == pytest.approx(0.04975)
+        else:
+            assert 0.025 <= d["window"]["ttft_p50_seconds"] <= 0.05
+
+
+async def test_a_killed_instance_shows_as_down_and_errors_are_counted():
+    async with fleet() as f, aiohttp.ClientSession() as s:
+        victim = f.decodes[0]
+        await victim.kill()
+
+        def row(d):
+            return next(i for i in d["instances"] if i["url"] == victim.url)
+
+        # health checks every 0.25 s: two failures in a row make it unhealthy
+        latest = await eventually(
+            s, f.proxy.url, lambda d: row(d)["health"] == "unhealthy", timeout=5
+        )
+        dead = row(latest)
+        assert dead["health"] == "unhealthy" and dead["routable"] is False
+        others = [i for i in latest["instances"] if i["url"] != victim.url]
+        assert all(i["health"] == "healthy" for i in others)
+        assert latest["proxy"]["ready"] is True  # the other decode still serves
+
+        # Errors are counted per outcome: with both decodes gone, requests fail.
+        await f.decodes[1].kill()
+        outcomes = await drive(f, 4)
+        assert all(not o.ok for o in outcomes)
+        d = await data(s, f.proxy.url)
+        assert d["window"]["errors"] >= 4 and d["window"]["errors_per_second"] > 0
+        assert sum(d["window"]["errors_by_outcome"].values()) == d["window"]["errors"]
+        assert d["window"]["error_ratio"] > 0
+
+
+async def test_page_is_small_self_contained_and_locked_to_its_origin():
+    async with fleet(n_prefill=1, n_decode=1) as f, aiohttp.ClientSession() as s:
+        total = 0
+        for path in PAGE_FILES:
+            status, headers, body = await get(s, f.proxy.url + path)
+            assert status == 200, path
+            total += len(body)
+            csp = headers["Content-Security-Policy"]
+            assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+            assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+            assert headers["X-Content-Type-Options"] == "nosniff"
+            text = body.decode("utf-8")
+            urls = set(ABSOLUTE_URL.findall(text))
+            assert urls <= ALLOWED_ABSOLUTE, (path, urls - ALLOWED_ABSOLUTE)
+            assert "@import" not in text and "url(" not in text.replace("data:", "")
+        assert total < PAGE_BUDGET, total
+        status, headers, _ = await get(s, f.proxy.url + "/dashboard")
+        assert headers["Content-Type"].startswith("text/html")
+
+
+async def test_no_dashboard_serves_nothing():
+    async with fleet(n_prefill=1, n_decode=1, proxy={"dashboard": False}) as f:
+        async with aiohttp.ClientSession() as s:
+            for path in (*PAGE_FILES, "/dashboard/data"):
+                status, _, _ = await get(s, f.proxy.url + path)
+                assert status == 404, path
+        sampler = "Dashboard._run"
+        assert not any(
+            getattr(t.get_coro(), "__qualname__", "") == sampler for t in asyncio.all_tasks()
+        )
+
+
+async def test_data_needs_a_key_exactly_when_metrics_do():
+    keys = {"api_keys": (KEY,)}
+    bearer = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession() as s:
+        async with fleet(n_prefill=1, n_decode=1, proxy={**keys, "protect_metrics": True}) as f:
+            for path in ("/metrics", "/dashboard/data"):
+                status, _, body = await get(s, f.proxy.url + path)
+                assert status == 401, path
+                assert KEY.encode() not in body
+                wrong = {"Authorization": "Bearer nope"}
+                assert (await get(s, f.proxy.url + path, headers=wrong))[0] == 401
+                assert (await get(s, f.proxy.url + path, headers=bearer))[0] == 200
+            # The page itself holds no data: it loads, then asks for the key.
+            assert (await get(s, f.proxy.url + "/dashboard"))[0] == 200
+        async with fleet(n_prefill=1, n_decode=1, proxy=keys) as f:
+            for path in ("/metrics", "/dashboard/data"):
+                assert (await get(s, f.proxy.url + path))[0] == 200, path
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "on"),
+    [
+        ([], {}, True),
+        (["--no-dashboard"], {}, False),
+        ([], {"PDPROXY_NO_DASHBOARD": "1"}, False),
+        ([], {"PDPROXY_NO_DASHBOARD": "0"}, True),
+    ],
+)
+def test_no_dashboard_flag_and_env(argv, environ, on):
+    engines = ["--prefill", "127.0.0.1:8100", "--decode", "127.0.0.1:8200"]
+    assert parse_config([*engines, *argv], environ).dashboard is on
