@@ -57,3 +57,10 @@ SOAK_ARGS ?=
 .PHONY: soak
 soak: install
 	$(PY) -m bench.soak $(SOAK_ARGS)
+
+## bench-sched: scheduling policies on a 4P4D sim fleet, three workloads (SCHED_ARGS=--quick: ~1 min)
+SCHED_ARGS ?=
+.PHONY: bench-sched
+bench-sched: install
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m bench.sched $(SCHED_ARGS)
