@@ -37,11 +37,14 @@ check: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-## bench: direct-to-decode vs through pdproxy, against sim engines, in one run
-## (BENCH_ARGS="--only a c --api-key" also measures the cost of a client key, same run)
+## bench: direct-to-decode vs through pdproxy, against sim engines, in one run, then the
+## scheduler's own cost per decision (64 instances) and the prefix index's bound.
+## BENCH_ARGS="--only a c --variant api-key|access-log|rev=REV" also measures a second
+## pdproxy (a client key, logs at info, another git revision) alternately in the same run.
 BENCH_ARGS ?=
 bench: install
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.sched_micro
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

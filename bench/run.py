@@ -50,34 +50,73 @@ class Deployment:
     proxy_url: str
     proxy_pid: int
     model: str
-    keyed_url: str | None = None  # a second pdproxy that checks a client key (--api-key)
-    keyed_pid: int = 0
+    variant_url: str | None = None  # a second pdproxy, configured as the --variant says
+    variant_pid: int = 0
 
 
 BENCH_KEY = "sk-bench-5f3c9a1e"
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A second pdproxy measured beside the plain one, alternately, in the same run."""
+
+    title: str
+    args: tuple[str, ...] = ()  # extra flags
+    api_key: str | None = None  # sent by the load generator
+    checkout: str | None = None  # run pdproxy from this directory (another git revision)
+
+    def command(self, port: int, prefill: str, decode: str, logdir: str) -> list[str]:
+        args = [a.replace("{logdir}", logdir) for a in self.args]
+        command = proxy_args(port, prefill, decode, *args)
+        if self.checkout is None:
+            return command
+        return ["env", f"PYTHONPATH={self.checkout}", *command]
+
+
+def variant(spec: str) -> Variant:
+    """``api-key``, ``access-log`` (logs at info: the access line of every request), or
+    ``rev=REV`` (the same flags, the code of git revision REV, checked out aside)."""
+    if spec == "api-key":
+        return Variant("--api-key", ("--api-key-file", "{logdir}/client.key"), BENCH_KEY)
+    if spec == "access-log":
+        return Variant("logs at info", ("--log-level", "info"))
+    if spec.startswith("rev="):
+        return Variant(f"at {spec[4:]}", checkout=_checkout(spec[4:]))
+    raise argparse.ArgumentTypeError("choose api-key, access-log or rev=REV")
+
+
+def _checkout(rev: str) -> str:
+    """A detached worktree of ``rev`` in a temporary directory, removed at exit."""
+    import atexit
+    import subprocess
+
+    path = tempfile.mkdtemp(prefix="pdproxy-rev-")
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", path, rev], check=True)
+    atexit.register(subprocess.run, ["git", "worktree", "remove", "--force", path], check=False)
+    return path
+
+
 @contextlib.asynccontextmanager
 async def sim_deployment(
-    decode_tps: float, logdir: str, keyed: bool = False
+    decode_tps: float, logdir: str, other: Variant | None = None
 ) -> AsyncIterator[Deployment]:
-    """One prefill sim, one decode sim and pdproxy, each its own process; with ``keyed``, a
-    second pdproxy in front of the same sims that checks a client key."""
+    """One prefill sim, one decode sim and pdproxy, each its own process; with ``other``,
+    a second pdproxy in front of the same sims, configured as it says."""
     p_port, d_port, x_port, k_port = free_ports(4)
     p_url, d_url, x_url, k_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, x_port, k_port))
     with contextlib.ExitStack() as stack:
         stack.enter_context(process(sim_args(p_port, "prefill", decode_tps), f"{logdir}/p.log"))
         stack.enter_context(process(sim_args(d_port, "decode", decode_tps), f"{logdir}/d.log"))
         proxy = stack.enter_context(process(proxy_args(x_port, p_url, d_url), f"{logdir}/x.log"))
-        keyed_pid = 0
-        if keyed:
-            key_file = f"{logdir}/client.key"
-            await asyncio.to_thread(Path(key_file).write_text, BENCH_KEY)
-            args = proxy_args(k_port, p_url, d_url, "--api-key-file", key_file)
-            keyed_pid = stack.enter_context(process(args, f"{logdir}/k.log")).pid
-        for url in (p_url, d_url, x_url, *([k_url] if keyed else [])):
+        other_pid = 0
+        if other is not None:
+            await asyncio.to_thread(Path(f"{logdir}/client.key").write_text, BENCH_KEY)
+            args = other.command(k_port, p_url, d_url, logdir)
+            other_pid = stack.enter_context(process(args, f"{logdir}/k.log")).pid
+        for url in (p_url, d_url, x_url, *([k_url] if other else [])):
             await wait_healthy(url)
-        yield Deployment(d_url, x_url, proxy.pid, "sim-model", k_url if keyed else None, keyed_pid)
+        yield Deployment(d_url, x_url, proxy.pid, "sim-model", k_url if other else None, other_pid)
 
 
 @contextlib.asynccontextmanager
@@ -95,11 +134,11 @@ async def real_deployment(logdir: str) -> AsyncIterator[Deployment]:
             yield Deployment(pair.decode_url, x_url, proxy.pid, pair.model)
 
 
-async def measure(scenario: Scenario, logdir: str, keyed: bool) -> dict[str, float]:
+async def measure(scenario: Scenario, logdir: str, other: Variant | None) -> dict[str, float]:
     deployment = (
         real_deployment(logdir)
         if scenario.real
-        else sim_deployment(scenario.decode_tps, logdir, keyed)
+        else sim_deployment(scenario.decode_tps, logdir, other)
     )
     async with deployment as d:
         decode_url, proxy_url, pid = d.decode_url, d.proxy_url, d.proxy_pid
@@ -116,9 +155,9 @@ async def measure(scenario: Scenario, logdir: str, keyed: bool) -> dict[str, flo
         cpu_before = cpu_seconds(pid)
         proxied = await load.run(proxy_url, total=scenario.total, **warm)
         cpu = cpu_seconds(pid) - cpu_before
-        keyed_figures = await _keyed(d, scenario, warm, warmup, proxied.requests, cpu)
+        other_figures = await _other(d, other, scenario, warm, warmup, proxied.requests, cpu)
     return {
-        **keyed_figures,
+        **other_figures,
         "direct_rps": direct.rps,
         "proxied_rps": proxied.rps,
         "direct_p50": direct.ttft_p50_ms,
@@ -131,37 +170,51 @@ async def measure(scenario: Scenario, logdir: str, keyed: bool) -> dict[str, flo
     }
 
 
-async def _keyed(
-    d: Deployment, scenario: Scenario, warm: dict[str, Any], warmup: int, n: int, cpu: float
+async def _other(
+    d: Deployment,
+    other: Variant | None,
+    scenario: Scenario,
+    warm: dict[str, Any],
+    warmup: int,
+    n: int,
+    cpu: float,
 ) -> dict[str, float]:
-    """The same load through the pdproxy that checks a client key, then once more through
-    each, alternately, so both CPU figures come from the same run and machine state."""
-    if d.keyed_url is None:
+    """The same load through the variant pdproxy, then once more through each,
+    alternately, so both CPU figures come from the same run and machine state."""
+    if d.variant_url is None or other is None:
         return {}
-    await load.run(d.keyed_url, total=warmup, api_key=BENCH_KEY, **warm)
-    cpu_plain, cpu_keyed, n_plain, n_keyed = cpu, 0.0, n, 0
-    for url, pid, key in (
-        (d.keyed_url, d.keyed_pid, BENCH_KEY),
-        (d.proxy_url, d.proxy_pid, None),
-        (d.keyed_url, d.keyed_pid, BENCH_KEY),
+    key = other.api_key
+    await load.run(d.variant_url, total=warmup, api_key=key, **warm)
+    cpu_plain, cpu_other, n_plain, n_other = cpu, 0.0, n, 0
+    for url, pid, is_other in (
+        (d.variant_url, d.variant_pid, True),
+        (d.proxy_url, d.proxy_pid, False),
+        (d.variant_url, d.variant_pid, True),
     ):
         before = cpu_seconds(pid)
-        result = await load.run(url, total=scenario.total, api_key=key, **warm)
+        result = await load.run(
+            url, total=scenario.total, api_key=key if is_other else None, **warm
+        )
         spent = cpu_seconds(pid) - before
-        if key is None:
-            cpu_plain, n_plain = cpu_plain + spent, n_plain + result.requests
+        if is_other:
+            cpu_other, n_other = cpu_other + spent, n_other + result.requests
         else:
-            cpu_keyed, n_keyed = cpu_keyed + spent, n_keyed + result.requests
+            cpu_plain, n_plain = cpu_plain + spent, n_plain + result.requests
     plain_ms = 1000 * cpu_plain / max(n_plain, 1)
-    keyed_ms = 1000 * cpu_keyed / max(n_keyed, 1)
-    return {"cpu_plain_ms": plain_ms, "cpu_keyed_ms": keyed_ms, "key_cost": keyed_ms / plain_ms - 1}
+    other_ms = 1000 * cpu_other / max(n_other, 1)
+    return {
+        "cpu_plain_ms": plain_ms,
+        "cpu_other_ms": other_ms,
+        "other_cost": other_ms / plain_ms - 1,
+    }
 
 
-KEY_COLUMNS = (
-    ("CPU/request, no key", "cpu_plain_ms", "{:.3f} ms"),
-    ("CPU/request, --api-key", "cpu_keyed_ms", "{:.3f} ms"),
-    ("key's cost", "key_cost", "{:+.1%}"),
-)
+def variant_columns(other: Variant) -> tuple[tuple[str, str, str], ...]:
+    return (
+        ("CPU/request, plain", "cpu_plain_ms", "{:.3f} ms"),
+        (f"CPU/request, {other.title}", "cpu_other_ms", "{:.3f} ms"),
+        (f"{other.title}: cost", "other_cost", "{:+.1%}"),
+    )
 
 
 def verdict(scenario: Scenario, row: dict[str, float]) -> str:
@@ -190,8 +243,8 @@ COLUMNS = (
 )
 
 
-def table(rows: list[tuple[Scenario, dict[str, float]]]) -> str:
-    columns = COLUMNS + (KEY_COLUMNS if any("key_cost" in r for _, r in rows) else ())
+def table(rows: list[tuple[Scenario, dict[str, float]]], other: Variant | None = None) -> str:
+    columns = COLUMNS + (variant_columns(other) if other is not None else ())
     header = ["scenario", *(title for title, _, _ in columns), "target"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s, r in rows:
@@ -204,32 +257,39 @@ def _cell(fmt: str, row: dict[str, float], key: str) -> str:
     return fmt.format(row[key]) if key in row else "—"
 
 
-async def main_async(names: list[str] | None, keyed: bool) -> None:
+async def main_async(names: list[str] | None, other: Variant | None) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdproxy-bench-") as logdir:
         for scenario in SCENARIOS:
             if names and not any(scenario.name.startswith(f"({n})") for n in names):
                 continue
-            rows.append((scenario, await measure(scenario, logdir, keyed)))
+            rows.append((scenario, await measure(scenario, logdir, other)))
             print(f"done: {scenario.name}", flush=True)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     print(f"\nmachine: {machine}\n")
-    print(table(rows))
+    print(table(rows, other))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", nargs="*", help="scenario letters to run, e.g. a c")
     parser.add_argument(
-        "--api-key",
-        action="store_true",
-        help="Also run each simulated scenario through a pdproxy that checks a client key, "
-        "alternating with the plain one in the same run, and report the key's cost.",
+        "--variant",
+        type=variant,
+        default=None,
+        help="Also run each simulated scenario through a second pdproxy, alternating with "
+        "the plain one in the same run, and report its CPU cost per request: api-key (checks "
+        "a client key), access-log (logs at info: an access line per request), rev=REV (the "
+        "code of git revision REV, for a before/after in one run).",
+    )
+    parser.add_argument(
+        "--api-key", action="store_true", help="Same as --variant api-key (kept for scripts)."
     )
     args = parser.parse_args()
     import uvloop
 
-    uvloop.run(main_async(args.only, args.api_key))
+    other = variant("api-key") if args.api_key and args.variant is None else args.variant
+    uvloop.run(main_async(args.only, other))
 
 
 if __name__ == "__main__":

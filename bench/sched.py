@@ -6,15 +6,17 @@ once (the rest queue), so load and cache placement show in TTFT. Workloads
 (`bench/sched_workloads.py`):
 
 1. heterogeneous: one prefill is 4x slower per token; a steady Poisson stream of medium prompts.
-2. chat: 32 sessions over 4 shared system prompts, each turn resending the history; the engines'
-   prefix caches hold 256 blocks (4,096 tokens) each, so placement decides what stays cached.
+2. chat: 32 sessions over 4 short shared system prompts, 8 turns each resending the growing
+   history; the engines' prefix caches hold 512 blocks (8,192 tokens) each, about a quarter
+   of the sessions' histories, so placement decides what stays cached.
 3. bursty: bursts of many short prompts plus a few long ones; run again as bursty-pd256 with
    `--pd-threshold-tokens 256`, where short prompts go to a decode alone.
 
 The prefill policy varies with the decode policy fixed, except in bursty-pd256 where the
 decode policy varies (decode-only requests are prefilled there). For each run: TTFT p50/p99,
 output tokens/s, the prefills' prefix-cache hit rate (from their /metrics), prefill load
-imbalance (max/mean in-flight, sampled every 100 ms) and the share of decode-only requests
+imbalance (the busiest prefill's in-flight averaged over the run, over the mean of those
+averages; sampled every 100 ms) and the share of decode-only requests
 (pdproxy's `pdproxy_decode_only_requests_total`). pdproxy is restarted for each run, the
 engines once per fleet shape; each run salts its prompts, so no run reuses another's cache.
 """
@@ -92,7 +94,7 @@ WORKLOADS = (
     Workload(
         "heterogeneous", Shape((FAST_US, FAST_US, FAST_US, SLOW_US)), _heterogeneous, "prefill"
     ),
-    Workload("chat", Shape((FAST_US,) * 4, prefix_cache_blocks=256), _chat, "prefill"),
+    Workload("chat", Shape((FAST_US,) * 4, prefix_cache_blocks=512), _chat, "prefill"),
     Workload("bursty", EVEN, _bursty, "prefill"),
     Workload("bursty-pd256", EVEN, _bursty, "decode", ("--pd-threshold-tokens", "256")),
 )

@@ -33,17 +33,21 @@ def inflight(metrics_text: str) -> float:
 
 
 def imbalance(samples: Sequence[Sequence[float]]) -> float:
-    """Mean over samples of max/mean in-flight across engines, counting busy samples only.
+    """How unevenly the run's load fell on the engines: the busiest engine's in-flight
+    averaged over the run, over the mean of those averages.
 
-    1.0 is a perfect spread; N (the engine count) is everything on one engine. NaN if no
+    1.0 is a perfect spread; N (the engine count) is everything on one engine. Averaging
+    over time first keeps a fleet at low concurrency from scoring badly for being
+    discrete (one request on one of four engines is 4.0 in any single sample). NaN if no
     sample saw any load.
     """
-    ratios = []
-    for sample in samples:
-        mean = sum(sample) / len(sample) if sample else 0.0
-        if mean > 0:
-            ratios.append(max(sample) / mean)
-    return sum(ratios) / len(ratios) if ratios else math.nan
+    busy = [s for s in samples if s and sum(s) > 0]
+    if not busy:
+        return math.nan
+    engines = len(busy[0])
+    averages = [sum(s[i] for s in busy) / len(busy) for i in range(engines)]
+    mean = sum(averages) / engines
+    return max(averages) / mean if mean > 0 else math.nan
 
 
 def cache_totals(pages: Sequence[str]) -> tuple[float, float]:

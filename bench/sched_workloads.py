@@ -42,11 +42,13 @@ class Sizes:
     burst_long: int = 2
     short_words: int = 40
     long_words: int = 1200
+    # Multi-turn chat as people use it: a short shared system prompt, and a history that
+    # grows turn by turn until it is most of the prompt.
     sessions: int = 32
     system_prompts: int = 4
-    turns: int = 4
-    system_words: int = 384
-    user_words: tuple[int, int] = (24, 48)
+    turns: int = 8
+    system_words: int = 64
+    user_words: tuple[int, int] = (48, 96)
     think_s: tuple[float, float] = (0.3, 1.0)
     session_stagger_s: float = 2.0
     max_tokens: int = 32

@@ -68,8 +68,11 @@ class Legs:
         watchdog = [self._watchdog_task] if self._watchdog_task is not None else []
         await cancel(*self._background, *watchdog)
 
-    async def prefill(self, request: ClientRequest, transfer: Transfer) -> dict[str, Any]:
-        """Run the clamped prefill leg and return P's answer."""
+    async def prefill(
+        self, request: ClientRequest, transfer: Transfer, weight: float = 1.0
+    ) -> dict[str, Any]:
+        """Run the clamped prefill leg and return P's answer; ``weight`` is its size as the
+        scheduler counts it (``Endpoint.work``)."""
         endpoint = transfer.decision.prefill
         rank = transfer.decision.prefill_dp_rank
         body = orjson.dumps(self._connector.prefill_body(request.body, transfer))
@@ -77,7 +80,7 @@ class Legs:
         trace = current()
         span = trace.prefill_started(transfer.request_id, endpoint.url, rank, headers)
         started = time.perf_counter()
-        self._enter(endpoint, rank)
+        self._enter(endpoint, rank, weight)
         try:
             upstream, data = await self._client.post_read(
                 endpoint.url + request.kind.path,
@@ -94,7 +97,7 @@ class Legs:
             self._abandoned(endpoint, span)
             raise
         finally:
-            leave(endpoint, rank)
+            leave(endpoint, rank, weight)
             trace.prefill_ended = ended = time.perf_counter()
         self._metrics.prefill_seconds.observe(ended - started)
         trace.prefill_answered = ended
@@ -159,8 +162,8 @@ class Legs:
         span.end(None)
         return response
 
-    def _enter(self, endpoint: Endpoint, rank: int | None) -> None:
-        enter(endpoint, rank)
+    def _enter(self, endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
+        enter(endpoint, rank, weight)
         self._metrics.count_leg(endpoint.role.value, endpoint.url)
 
     def _failed(
@@ -255,9 +258,11 @@ class _DecodeLeg:
     prefill_answer: Mapping[str, Any] | None
 
 
-def enter(endpoint: Endpoint, rank: int | None) -> None:
-    """Count a leg on ``endpoint`` (and its DP rank) while it runs."""
+def enter(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
+    """Count a leg on ``endpoint`` (and its DP rank) while it runs; ``weight`` is its size
+    for the scheduler (a prefill's prompt over the typical one)."""
     endpoint.in_flight += 1
+    endpoint.work += weight
     if rank is not None:
         counts = endpoint.rank_in_flight
         if len(counts) <= rank:
@@ -265,8 +270,9 @@ def enter(endpoint: Endpoint, rank: int | None) -> None:
         counts[rank] += 1
 
 
-def leave(endpoint: Endpoint, rank: int | None) -> None:
+def leave(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
     endpoint.in_flight -= 1
+    endpoint.work = endpoint.work - weight if endpoint.in_flight else 0.0  # no float drift
     if rank is not None and rank < len(endpoint.rank_in_flight):
         endpoint.rank_in_flight[rank] -= 1
 

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,7 +150,14 @@ class Orchestrator:
                     return await self._legs.concurrent(request, transfer)
                 if answer is None:
                     run.reserve(transfer.decision.decode)
-                    answer = await self._legs.prefill(request, transfer)
+                    started = time.perf_counter()
+                    weight = self._scheduler.speeds.weight(run.features.tokens)
+                    answer = await self._legs.prefill(request, transfer, weight)
+                    self._scheduler.speeds.observe(
+                        transfer.decision.prefill,
+                        time.perf_counter() - started,
+                        run.features.tokens,
+                    )
                 run.unreserve()
                 decoding = True
                 return await self._legs.decode(request, transfer, answer)

@@ -133,7 +133,10 @@ class Endpoint:
     expires_at: float | None = None  # monotonic deadline; None = never expires
     last_seen: float | None = None  # wall-clock time of the last heartbeat
     in_flight: int = 0
+    work: float = 0.0  # legs in flight weighted by size (a prefill: its prompt over the typical)
     reserved: int = 0  # requests bound for it whose leg has not started (a decode awaiting P)
+    seconds_per_token: float = 0.0  # its prefill legs' mean, measured (scheduling.speed)
+    slowness: float = 1.0  # seconds_per_token over its role's typical; 1.0 until measured
     models: tuple[str, ...] = field(default_factory=tuple)
     engine_ids: tuple[str, ...] = field(default_factory=tuple)  # per DP rank (Mooncake)
     health: EndpointHealth = field(default_factory=EndpointHealth)

@@ -36,12 +36,17 @@ class Context:
     _loads: list[float] = field(default_factory=list)
 
     def load(self, endpoint: Endpoint) -> float:
-        """An endpoint's load: the proxy's own legs in flight plus the requests bound for it
-        whose leg has not started (exact, live), plus, when its engine's last scrape is
-        fresh, the requests the engine runs or queues for others (other replicas, other
-        clients): its running + waiting less this proxy's legs at that scrape. Trusting
-        the raw engine figure instead would make a burst the proxy already moved elsewhere
-        look like load for a whole scrape interval, and herd the next burst."""
+        """An endpoint's load, in requests at its role's typical speed, the new one
+        included: ``(requests + 1) * slowness``.
+
+        The requests are the proxy's own legs in flight plus those bound for it whose leg
+        has not started (exact, live), plus, when its engine's last scrape is fresh, the
+        ones the engine runs or queues for others (other replicas, other clients): its
+        running + waiting less this proxy's legs at that scrape. Trusting the raw engine
+        figure instead would make a burst the proxy already moved elsewhere look like load
+        for a whole scrape interval, and herd the next burst. ``slowness`` is measured by
+        ``scheduling.speed``: an idle prefill four times slower than its peers weighs as
+        much as a fast one with three requests."""
         return self.loads((endpoint,))[0]
 
     def loads(self, endpoints: Sequence[Endpoint]) -> list[float]:
@@ -52,9 +57,9 @@ class Context:
         oldest = self.now - self.max_age
         self._loads_of = endpoints
         self._loads = [
-            e.in_flight + e.reserved + f.others
+            (e.work + e.reserved + f.others + 1.0) * e.slowness
             if (f := e.engine_load) is not None and f.scraped_at >= oldest
-            else e.in_flight + e.reserved
+            else (e.work + e.reserved + 1.0) * e.slowness
             for e in endpoints
         ]
         return self._loads

@@ -19,6 +19,7 @@ from pdproxy.scheduling.features import FeatureConfig, extract
 from pdproxy.scheduling.policies import build_policy
 from pdproxy.scheduling.ranks import RankChooser
 from pdproxy.scheduling.scorers import prefix_matches
+from pdproxy.scheduling.speed import SpeedTracker
 from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
 
@@ -48,6 +49,7 @@ class Scheduler:
         self._clock = clock
         self._max_age = max_age
         self._ranks = {Role.PREFILL: RankChooser(), Role.DECODE: RankChooser()}
+        self.speeds = SpeedTracker()  # fed by the orchestrator with each prefill leg's time
 
     def features(self, body: Mapping[str, Any], session: str | None) -> RequestFeatures:
         return extract(body, session, self._features, want_blocks=self._want_blocks)

@@ -11,13 +11,13 @@ from pdproxy.types import Endpoint
 
 
 class LoadScorer:
-    """Fewer requests in flight is better: ``1 / (1 + load)`` (``Context.load``: the
-    proxy's legs, or the engine's running + waiting when fresher and higher)."""
+    """A lighter load is better: ``1 / load`` (``Context.load`` counts the new request,
+    so it is at least the instance's slowness, 1 for a typical idle one)."""
 
     type_name = "load-scorer"
 
     def score(self, ctx: Context, endpoints: Sequence[Endpoint]) -> list[float]:
-        return [1.0 / (1.0 + load) for load in ctx.loads(endpoints)]
+        return [1.0 / max(load, 1.0) for load in ctx.loads(endpoints)]
 
 
 class KVUsageScorer:

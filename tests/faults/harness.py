@@ -189,7 +189,7 @@ async def assert_settled(f: Fleet) -> None:
         return (
             state.in_flight == 0
             and all(
-                e.in_flight == 0 and e.reserved == 0 and not any(e.rank_in_flight)
+                e.in_flight == 0 and e.work == 0 and e.reserved == 0 and not any(e.rank_in_flight)
                 for e in state.registry.all()
             )
             and state.client.connections_in_use() == 0

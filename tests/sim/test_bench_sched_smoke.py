@@ -66,8 +66,10 @@ def test_chat_sessions_share_system_prompts_and_grow_turn_by_turn():
     assert req.body["stream"] is True
 
 
-def test_imbalance_averages_max_over_mean_of_busy_samples():
-    assert imbalance([[1, 1, 1, 1], [4, 0, 0, 0], [0, 0, 0, 0]]) == (1.0 + 4.0) / 2
+def test_imbalance_is_the_busiest_time_average_over_the_mean():
+    # engine 0 averages (1 + 4) / 2 = 2.5 over the busy samples, the others 0.5: mean 1.0
+    assert imbalance([[1, 1, 1, 1], [4, 0, 0, 0], [0, 0, 0, 0]]) == 2.5
+    assert imbalance([[1, 0], [0, 1]]) == 1.0  # alternating is an even spread over time
     assert math.isnan(imbalance([[0, 0], []]))
 
 

@@ -42,7 +42,7 @@ class FakeLegs:
         self._prefill = list(prefill_script)
         self._hang = decode_hangs
 
-    async def prefill(self, request, transfer):
+    async def prefill(self, request, transfer, weight=1.0):
         self.calls.append(("prefill", transfer.decision.prefill.url))
         error = self._prefill.pop(0) if self._prefill else None
         if error is not None:

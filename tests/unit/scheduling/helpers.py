@@ -13,6 +13,7 @@ NOW = 1000.0
 def endpoint(url: str, role: Role = Role.DECODE, *, in_flight: int = 0, dp: int = 1, models=()):
     e = Endpoint(role=role, address=EngineAddress(url=url, dp_size=dp), source=Source.STATIC)
     e.in_flight = in_flight
+    e.work = float(in_flight)
     e.models = tuple(models)
     return e
 
