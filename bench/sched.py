@@ -94,7 +94,7 @@ WORKLOADS = (
     Workload(
         "heterogeneous", Shape((FAST_US, FAST_US, FAST_US, SLOW_US)), _heterogeneous, "prefill"
     ),
-    Workload("chat", Shape((FAST_US,) * 4, prefix_cache_blocks=512), _chat, "prefill"),
+    Workload("chat", Shape((FAST_US,) * 4, prefix_cache_blocks=384), _chat, "prefill"),
     Workload("bursty", EVEN, _bursty, "prefill"),
     Workload("bursty-pd256", EVEN, _bursty, "decode", ("--pd-threshold-tokens", "256")),
 )

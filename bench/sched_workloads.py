@@ -46,9 +46,9 @@ class Sizes:
     # grows turn by turn until it is most of the prompt.
     sessions: int = 32
     system_prompts: int = 4
-    turns: int = 8
-    system_words: int = 64
-    user_words: tuple[int, int] = (48, 96)
+    turns: int = 10
+    system_words: int = 16
+    user_words: tuple[int, int] = (24, 48)
     think_s: tuple[float, float] = (0.3, 1.0)
     session_stagger_s: float = 2.0
     max_tokens: int = 32

@@ -206,6 +206,7 @@ def _scheduling(a: argparse.Namespace) -> SchedulingConfig:
         chars_per_token=a.chars_per_token,
         prefix_block_chars=a.prefix_block_chars,
         prefix_index_max_blocks=a.prefix_index_max_blocks,
+        cache_threshold=a.cache_threshold,
         balance_abs_threshold=a.balance_abs_threshold,
         balance_rel_threshold=a.balance_rel_threshold,
     )

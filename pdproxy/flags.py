@@ -176,6 +176,12 @@ SCHEDULING: tuple[NumberFlag, ...] = (
         "Blocks the prefix index keeps per role (LRU; about 100 bytes each).",
     ),
     (
+        ("--cache-threshold",),
+        float,
+        _S.cache_threshold,
+        "prefix-affinity ignores matches under this share of the prompt (SMG's name).",
+    ),
+    (
         ("--balance-abs-threshold",),
         float,
         _S.balance_abs_threshold,

@@ -60,6 +60,7 @@ class SchedulingConfig:
     chars_per_token: float = 4.0
     prefix_block_chars: int = 256
     prefix_index_max_blocks: int = 262_144
+    cache_threshold: float = 0.3  # prefix-affinity: least share of blocks that counts
     balance_abs_threshold: float = 4.0
     balance_rel_threshold: float = 1.5
 
@@ -75,6 +76,8 @@ class SchedulingConfig:
             raise ConfigError("--chars-per-token must be positive")
         if self.prefix_block_chars < 1 or self.prefix_index_max_blocks < 1:
             raise ConfigError("--prefix-block-chars and --prefix-index-max-blocks must be >= 1")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ConfigError("--cache-threshold must be in [0, 1]")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ConfigError(
                 "--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1"

@@ -101,7 +101,7 @@ def _prefix_affinity(config: SchedulingConfig, rng: random.Random) -> RolePolicy
     overload = OverloadFilter(config.balance_abs_threshold, config.balance_rel_threshold)
     # The longest match wins; the load breaks ties (no match at all, or equal ones).
     picker = MaxScorePicker(rng, by_load=True)
-    scorers = ((PrefixScorer(index), 1.0),)
+    scorers = ((PrefixScorer(index, config.cache_threshold), 1.0),)
     return RolePolicy("prefix-affinity", (ModelFilter(), overload), scorers, picker, index)
 
 

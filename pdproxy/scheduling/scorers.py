@@ -39,9 +39,13 @@ class KVUsageScorer:
 
 @dataclass(frozen=True, slots=True)
 class PrefixScorer:
-    """The share of the prompt's blocks an instance holds as a leading prefix."""
+    """The share of the prompt's blocks an instance holds as a leading prefix; a share
+    under ``min_share`` counts as none (SMG's ``cache_threshold``): a new conversation
+    that only shares a short system prompt is placed by load, so conversations spread
+    over the fleet instead of piling onto whichever instance saw that system prompt first."""
 
     index: PrefixIndex
+    min_share: float = 0.0
     type_name = "prefix-scorer"
 
     def score(self, ctx: Context, endpoints: Sequence[Endpoint]) -> list[float]:
@@ -52,8 +56,9 @@ class PrefixScorer:
         if not depths:
             return [0.0] * len(endpoints)
         scale = 1.0 / total
+        floor = self.min_share
         get = depths.get
-        return [get(e.address.url, 0) * scale for e in endpoints]
+        return [s if (s := get(e.address.url, 0) * scale) >= floor else 0.0 for e in endpoints]
 
 
 def prefix_matches(ctx: Context, index: PrefixIndex) -> dict[str, int]:

@@ -116,3 +116,18 @@ def test_model_filter_keeps_instances_serving_the_model_or_everyone():
     p = _policy("least-loaded")
     assert p.choose(ctx(RequestFeatures(model="m2")), [a, b]) is b
     assert p.choose(ctx(RequestFeatures(model="m3")), [a, b]) is a  # nobody: the engine's 404
+
+
+def test_prefix_affinity_ignores_a_match_under_the_cache_threshold():
+    p = build_policy("prefix-affinity", SchedulingConfig(cache_threshold=0.3), random.Random(0))
+    eps = [endpoint(f"http://e{i}:1", Role.PREFILL) for i in range(4)]
+    holder = p.choose(ctx(RequestFeatures(blocks=(1, 2))), eps)
+    # A new conversation sharing only the first of its 10 blocks (10 % < 30 %): by load.
+    holder.in_flight, holder.work = 1, 1.0
+    placed = {
+        p.choose(ctx(RequestFeatures(blocks=(1, *range(100 + i, 109 + i)))), eps).url
+        for i in range(0, 400, 10)
+    }
+    assert holder.url not in placed and len(placed) == 3
+    # Sharing 3 of 4 blocks (75 %): affinity, despite the load.
+    assert p.choose(ctx(RequestFeatures(blocks=(1, 2, 7, 8))), eps) is holder
