@@ -62,9 +62,15 @@ class PrefixIndex:
         """Remember that ``url`` now holds the prefix ``blocks``."""
         bit = 1 << self._bit(url)
         entries = self._entries
+        refresh = entries.move_to_end
         for block in blocks:
-            mask = entries.pop(block, 0)
-            entries[block] = mask | bit  # re-inserted: most recently used
+            mask = entries.get(block)
+            if mask is None:
+                entries[block] = bit  # new: most recently used
+                continue
+            if not mask & bit:
+                entries[block] = mask | bit
+            refresh(block)
         while len(entries) > self.max_blocks:
             entries.popitem(last=False)
 

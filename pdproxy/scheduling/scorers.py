@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from pdproxy.scheduling.context import Context
 from pdproxy.scheduling.prefix_index import PrefixIndex
@@ -17,7 +16,7 @@ class LoadScorer:
     type_name = "load-scorer"
 
     def score(self, ctx: Context, endpoints: Sequence[Endpoint]) -> list[float]:
-        return [1.0 / max(load, 1.0) for load in ctx.loads(endpoints)]
+        return [1.0 / load if load > 1.0 else 1.0 for load in ctx.loads(endpoints)]
 
 
 class KVUsageScorer:
@@ -29,36 +28,48 @@ class KVUsageScorer:
 
     def score(self, ctx: Context, endpoints: Sequence[Endpoint]) -> list[float]:
         oldest = ctx.now - ctx.max_age
+        # engine_stats keeps kv_usage in [0, 1], so the score is too.
         return [
-            0.5
-            if (f := e.engine_load) is None or f.scraped_at < oldest
-            else min(1.0, max(0.0, 1.0 - f.kv_usage))
+            0.5 if (f := e.engine_load) is None or f.scraped_at < oldest else 1.0 - f.kv_usage
             for e in endpoints
         ]
 
 
-@dataclass(frozen=True, slots=True)
 class PrefixScorer:
     """The share of the prompt's blocks an instance holds as a leading prefix; a share
     under ``min_share`` counts as none (SMG's ``cache_threshold``): a new conversation
     that only shares a short system prompt is placed by load, so conversations spread
     over the fleet instead of piling onto whichever instance saw that system prompt first."""
 
-    index: PrefixIndex
-    min_share: float = 0.0
     type_name = "prefix-scorer"
 
+    def __init__(self, index: PrefixIndex, min_share: float = 0.0) -> None:
+        self.index = index
+        self.min_share = min_share
+        self._positions: tuple[Sequence[Endpoint], dict[str, int]] | None = None
+
     def score(self, ctx: Context, endpoints: Sequence[Endpoint]) -> list[float]:
+        scores = [0.0] * len(endpoints)
         total = len(ctx.features.blocks)
-        if not total:
-            return [0.0] * len(endpoints)
-        depths = prefix_matches(ctx, self.index)
+        depths = prefix_matches(ctx, self.index) if total else None
         if not depths:
-            return [0.0] * len(endpoints)
-        scale = 1.0 / total
-        floor = self.min_share
-        get = depths.get
-        return [s if (s := get(e.address.url, 0) * scale) >= floor else 0.0 for e in endpoints]
+            return scores
+        positions = self._position_of(endpoints)
+        floor = self.min_share * total
+        for url, depth in depths.items():  # the few instances that match, not all of them
+            at = positions.get(url)
+            if at is not None and depth >= floor:
+                scores[at] = depth / total
+        return scores
+
+    def _position_of(self, endpoints: Sequence[Endpoint]) -> dict[str, int]:
+        """url -> index in ``endpoints``, kept for the same sequence (a snapshot)."""
+        cached = self._positions
+        if cached is not None and cached[0] is endpoints:
+            return cached[1]
+        positions = {e.url: i for i, e in enumerate(endpoints)}
+        self._positions = (endpoints, positions)
+        return positions
 
 
 def prefix_matches(ctx: Context, index: PrefixIndex) -> dict[str, int]:
