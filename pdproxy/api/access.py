@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import time
 
+from pdproxy.log import ACCESS_LOGGER
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.request_context import RequestTrace
 
-access_logger = logging.getLogger("pdproxy.access")
+access_logger = logging.getLogger(ACCESS_LOGGER)
 
 
 class RequestFinisher:
@@ -33,4 +34,17 @@ class RequestFinisher:
             )
         trace.span.end(trace.span_attributes)
         if self._access_log and access_logger.isEnabledFor(logging.INFO):
-            access_logger.info("request finished", extra={"fields": trace.access_fields()})
+            # makeRecord + handle: what .info() does, less the caller lookup (a stack walk
+            # for a file and line number the access line never shows).
+            access_logger.handle(
+                access_logger.makeRecord(
+                    ACCESS_LOGGER,
+                    logging.INFO,
+                    __file__,
+                    0,
+                    "request finished",
+                    (),
+                    None,
+                    extra={"fields": trace.access_fields()},
+                )
+            )
