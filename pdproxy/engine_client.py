@@ -154,6 +154,11 @@ class UpstreamResponse:
         except _FAILURES as exc:
             raise _translate(exc, self.leg, self.url) from exc
 
+    def header(self, name: str) -> str | None:
+        """One of the answer's headers (case-insensitive), if it has it."""
+        value: str | None = self._response.headers.get(name)
+        return value
+
     def release(self) -> None:
         """Done with a fully read body: the connection goes back to the pool."""
         self._response.release()
@@ -250,6 +255,18 @@ class EngineClient:
                 )
             else:
                 response = await session.post(url, data=body, headers=headers)
+        except _FAILURES as exc:
+            raise _translate(exc, leg, url) from exc
+        content_type = response.headers.get("Content-Type", "application/json")
+        return UpstreamResponse(response.status, content_type, leg, url, response)
+
+    async def get(self, url: str, headers: Mapping[str, str], *, leg: str) -> UpstreamResponse:
+        """GET on the legs' pool and wait for the response headers (a pass-through such as
+        ``/version``); the body is left to the caller, its silence bounded by the read
+        timeout."""
+        session = self._require(self._session)
+        try:
+            response = await session.get(url, headers=headers)
         except _FAILURES as exc:
             raise _translate(exc, leg, url) from exc
         content_type = response.headers.get("Content-Type", "application/json")

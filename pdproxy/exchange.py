@@ -28,3 +28,4 @@ class ProxyResponse:
     request_id: str
     body: bytes = b""
     stream: StreamRelay | None = None
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # the engine's own, relayed (pass-through)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,9 +63,14 @@ class Totals:
         )
 
 
-def totals_from_samples(requests: Iterable[Sample], ttft: Iterable[Sample]) -> Totals:
+def totals_from_samples(
+    requests: Iterable[Sample],
+    ttft: Iterable[Sample],
+    ttft_endpoints: Collection[str] | None = None,
+) -> Totals:
     """``pdproxy_requests_total`` and ``pdproxy_request_ttft_seconds`` samples, summed over
-    their ``endpoint`` label."""
+    their ``endpoint`` label; the TTFT only over ``ttft_endpoints`` when given (the
+    generation endpoints: a fast ``/tokenize`` would make generation look faster)."""
     by_outcome: dict[str, float] = {}
     for s in requests:
         if s.name.endswith("_total"):
@@ -74,6 +79,8 @@ def totals_from_samples(requests: Iterable[Sample], ttft: Iterable[Sample]) -> T
     by_le: dict[float, float] = {}
     ttft_sum = 0.0
     for s in ttft:
+        if ttft_endpoints is not None and s.labels.get("endpoint") not in ttft_endpoints:
+            continue
         if s.name.endswith("_bucket"):
             le = float(s.labels["le"])
             by_le[le] = by_le.get(le, 0.0) + s.value

@@ -317,10 +317,4 @@ class Orchestrator:
         return snapshot.prefill if role is Role.PREFILL else snapshot.decode
 
     def _usable(self, pool: tuple[Endpoint, ...], avoid: Collection[str]) -> tuple[Endpoint, ...]:
-        """``pool`` less ``avoid`` and the ejected; if only ejected ones are left, those
-        (an ejected instance is a better bet than a certain 503)."""
-        allowed = tuple(e for e in pool if e.url not in avoid) if avoid else pool
-        available = self._outliers.available
-        if all(map(available, allowed)):
-            return allowed  # the snapshot itself: the policies' per-snapshot caches hold
-        return tuple(e for e in allowed if available(e)) or allowed
+        return self._outliers.usable(pool, avoid)  # shared with the pass-through endpoints

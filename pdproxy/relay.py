@@ -1,7 +1,8 @@
 """Relays a decode engine's SSE stream to the client as bytes, never re-parsing chunks.
 
-The only inspection is the stream's tail: a vLLM stream always ends with ``data: [DONE]``,
-so a stream that ends without it was cut, and the client gets one OpenAI-style error event
+The only inspection is the stream's tail: a vLLM completions or chat stream always ends
+with ``data: [DONE]`` (a Responses API stream with its terminal event: ``Framing``), so a
+stream that ends without it was cut, and the client gets one OpenAI-style error event
 instead of a silent truncation.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 
@@ -24,6 +26,35 @@ _TAIL = 32
 def sse_error_event(error: ProxyError) -> bytes:
     """One terminal SSE error event, followed by ``[DONE]`` as vLLM does after an error."""
     return b"data: " + orjson.dumps(error.to_dict()) + b"\n\ndata: [DONE]\n\n"
+
+
+def responses_error_event(error: ProxyError) -> bytes:
+    """A Responses API stream's terminal error event (no ``[DONE]``: that API has none);
+    its ``error`` object makes OpenAI's SDKs raise, as for the other streams."""
+    return b"event: error\ndata: " + orjson.dumps(error.to_dict()) + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """How an engine's stream ends: a complete one's last bytes (trailing whitespace
+    stripped) end with one of ``ends``; a cut one is ended with ``error_event``."""
+
+    ends: tuple[bytes, ...]
+    error_event: Callable[[ProxyError], bytes]
+    tail: int = _TAIL  # bytes of the stream's end kept to check it
+
+
+OPENAI_SSE = Framing((_DONE,), sse_error_event)
+# vLLM's /v1/responses stream ends with its terminal event, whose JSON ends with its type
+# (pydantic dumps the openai models' fields in order: ..., sequence_number, type).
+RESPONSES_SSE = Framing(
+    tuple(
+        b'"type":"%s"}' % name
+        for name in (b"response.completed", b"response.incomplete", b"response.failed", b"error")
+    ),
+    responses_error_event,
+    tail=48,
+)
 
 
 class StreamWatchdog:
@@ -67,9 +98,18 @@ class StreamRelay:
     """
 
     def __init__(
-        self, upstream: UpstreamResponse, on_close: Callable[[], None], watchdog: StreamWatchdog
+        self,
+        upstream: UpstreamResponse,
+        on_close: Callable[[], None],
+        watchdog: StreamWatchdog,
+        framing: Framing = OPENAI_SSE,
     ) -> None:
         self._upstream = upstream
+        self._ends, self._error_event, self._tail_size = (
+            framing.ends,
+            framing.error_event,
+            framing.tail,
+        )
         self._on_close: Callable[[], None] | None = on_close
         self._failure: ProxyError | None = None
         self._done = False
@@ -106,7 +146,7 @@ class StreamRelay:
                 "decode engine ended the stream before its first chunk", leg="decode"
             )
         self.last_activity = self._clock()
-        self._tail = chunk[-_TAIL:]
+        self._tail = chunk[-self._tail_size :]
         self._first = chunk
 
     async def next_chunk(self) -> bytes | None:
@@ -126,9 +166,10 @@ class StreamRelay:
         if chunk:
             self.last_activity = self._clock()
             # A token's chunk is longer than the marker: keep a reference, copy nothing.
-            self._tail = chunk if len(chunk) >= _TAIL else (self._tail + chunk)[-_TAIL:]
+            size = self._tail_size
+            self._tail = chunk if len(chunk) >= size else (self._tail + chunk)[-size:]
             return chunk
-        if not self._tail.rstrip().endswith(_DONE):
+        if not self._tail.rstrip().endswith(self._ends):
             return self._fail(
                 UpstreamProtocolError("decode engine ended the stream early", leg="decode")
             )
@@ -146,7 +187,7 @@ class StreamRelay:
         self._failure = self._failure or error
         tail = self._tail
         separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-        return separator + sse_error_event(self._failure)
+        return separator + self._error_event(self._failure)
 
     def close(self) -> None:
         self._done = True

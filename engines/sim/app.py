@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from engines.sim import generate, metrics, openai_api
+from engines.sim import generate, metrics, openai_api, pooling, responses
 from engines.sim.config import Faults, SimConfig
 from engines.sim.engine import Engine
 from engines.sim.errors import ApiError, RequestValidationError, error_body
@@ -18,6 +18,7 @@ from engines.sim.http import Request
 from engines.sim.records import Recorder, RequestRecord
 
 JSON = "application/json"
+RESPONSES_PATH = "/v1/responses"
 NOT_FOUND = b'{"detail":"Not Found"}'
 NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 
@@ -29,6 +30,7 @@ class SimApp:
         self.config = config
         self.engine = engine
         self.recorder = Recorder(config.record_limit)
+        self.responses = responses.ResponseStore(config.responses_store)
         self.faults = config.faults
         self.faults_set_at = time.monotonic()
         self.on_faults: Callable[[Faults], None] = lambda faults: None
@@ -57,6 +59,12 @@ class SimApp:
                 req.conn.send(405, NOT_ALLOWED)
                 return
             self.generation(req)
+            return
+        if req.path in pooling.HANDLERS or req.path == RESPONSES_PATH:
+            if req.method != "POST":
+                req.conn.send(405, NOT_ALLOWED)
+                return
+            self.single(req)
             return
         route = self.routes.get((req.method, req.path))
         if route is None:
@@ -125,6 +133,48 @@ class SimApp:
         params = body.get("kv_transfer_params")
         if isinstance(params, dict) and params.get("do_remote_prefill"):
             self.engine.connector.reject(params)
+
+    def single(self, http: Request) -> None:
+        """One of the endpoints vLLM serves on the instance alone (no KV transfer):
+        tokenize, embeddings, pooling, score, rerank, responses."""
+        rec = self.recorder.add(http.method, http.path, http.headers, None)
+        delay = float(self.faults.headers_delay_s)
+        if delay > 0:
+            then = functools.partial(self._single, http, rec)
+            generate.spawn_delayed(self.engine, http.conn, rec, delay, then)
+            return
+        self._single(http, rec)
+
+    def _single(self, http: Request, rec: RequestRecord) -> None:
+        faults, conn = self.faults, http.conn
+        try:
+            rec.body = body = openai_api.load_json(http.body)
+            if faults.status is not None:
+                status = int(faults.status)
+                raise ApiError(status, f"Simulated failure (HTTP {status}).")
+            if faults.hang:
+                generate.spawn_hang(self.engine, conn, rec)
+                return
+            if http.path == RESPONSES_PATH:
+                self._responses(http, body, rec)
+                return
+            answer = pooling.HANDLERS[http.path](body, http.headers, self.config)
+        except ApiError as exc:
+            _refuse(http, rec, exc)
+            return
+        limit = faults.reset_after_bytes
+        if limit is not None:
+            rec.fail(200, f"fault: reset after {limit} bytes")
+            conn.send_truncated(200, answer.body, int(limit), answer.content_type)
+            return
+        conn.send(200, answer.body, answer.content_type, answer.headers)
+        rec.complete()
+
+    def _responses(self, http: Request, body: dict[str, Any], rec: RequestRecord) -> None:
+        call = responses.parse(body, http.headers, self.config, self.responses)
+        self.engine.counters.requests_received += 1
+        job = generate.Job(self.engine, http.conn, call.req, rec, self.faults)
+        generate.spawn(job, responses.serve(job, call, self.responses))
 
     def health(self, req: Request) -> None:
         delay = float(self.faults.health_delay_s)

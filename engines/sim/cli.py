@@ -181,6 +181,12 @@ def _add_timing_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
         default=d.record_limit,
         help="How many request records /sim/requests keeps.",
     )
+    add(
+        "--responses-store",
+        action="store_true",
+        help="/v1/responses keeps responses for previous_response_id "
+        "(vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1).",
+    )
 
 
 def _add_tls_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
@@ -268,6 +274,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             "prefill_concurrency",
             "keep_alive_s",
             "record_limit",
+            "responses_store",
             "ssl_keyfile",
             "ssl_certfile",
             "ssl_ca_certs",

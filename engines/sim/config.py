@@ -99,6 +99,9 @@ class SimConfig:
     prefix_cache_blocks: int = 8192  # capacity of the prefix cache, in blocks
     keep_alive_s: float = 5.0  # idle keep-alive timeout, as VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     record_limit: int = 10000  # how many request records /sim/requests keeps
+    # /v1/responses keeps responses for previous_response_id (vLLM's
+    # VLLM_ENABLE_RESPONSES_API_STORE=1; off by default there too)
+    responses_store: bool = False
     # HTTPS as vLLM's --ssl-* flags (the KV side channel stays plain TCP)
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None

@@ -277,6 +277,19 @@ def spawn(job: Job, coro: Coroutine[Any, Any, None]) -> None:
     job.conn.spawn(coro)
 
 
+def spawn_hang(engine: Engine, conn: Connection, rec: RequestRecord) -> None:
+    """The hang fault for a request that is no generation Job: accept, never answer."""
+
+    async def hang() -> None:
+        try:
+            await _forever()
+        except asyncio.CancelledError:
+            _abort(engine, conn, rec)
+
+    conn.on_lost = lambda: _abort(engine, conn, rec)
+    conn.spawn(hang())
+
+
 def spawn_delayed(
     engine: Engine, conn: Connection, rec: RequestRecord, delay_s: float, then: Callable[[], None]
 ) -> None:

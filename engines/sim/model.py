@@ -40,6 +40,39 @@ def tokenize(text: str) -> list[int]:
     return [token_id(w) for w in _WORD_RE.findall(text)]
 
 
+def words(text: str) -> list[str]:
+    """The pieces ``tokenize`` makes of ``text`` (vLLM's ``token_strs``)."""
+    return _WORD_RE.findall(text)
+
+
+# The ids are hashes, so detokenizing needs the words back: the generated vocabulary, and
+# every word /tokenize has seen in this process, shared by all its sims as real instances
+# share their tokenizer files. Bounded; a word seen past the bound stays unknown.
+_KNOWN_MAX = 1 << 16
+_KNOWN: dict[int, str] = {token_id(w): w for w in VOCAB}
+
+
+def remember(pieces: Sequence[str]) -> list[int]:
+    """The ids of ``pieces`` (from ``words``), remembered for ``detokenize``."""
+    ids = [token_id(w) for w in pieces]
+    for tok, word in zip(ids, pieces, strict=True):
+        if len(_KNOWN) < _KNOWN_MAX:
+            _KNOWN.setdefault(tok, word)
+    return ids
+
+
+def detokenize(ids: Sequence[int]) -> str:
+    """The text of ``ids``: words spaced, punctuation attached. Raises ``KeyError`` (the
+    id) for an id no word known here has."""
+    text = ""
+    for tok in ids:
+        if tok not in _KNOWN:
+            raise KeyError(tok)
+        word = _KNOWN[tok]
+        text += f" {word}" if text and (word[0].isalnum() or word[0] == "_") else word
+    return text
+
+
 def _step(prev: bytes, tok: int) -> bytes:
     return hashlib.blake2b(prev + tok.to_bytes(4, "big"), digest_size=KV_BYTES_PER_TOKEN).digest()
 
@@ -79,12 +112,15 @@ def unpack_blocks(blocks: Sequence[bytes]) -> list[bytes]:
     return [data[i : i + n] for i in range(0, len(data) - len(data) % n, n)]
 
 
+ASSISTANT_OPENER = "<|im_start|>assistant\n"
+
+
 def render_chat(messages: Sequence[dict[str, object]]) -> str:
     """A ChatML-like template with the assistant turn opened."""
     parts = []
     for msg in messages:
         parts.append(f"<|im_start|>{msg.get('role', 'user')}\n{_content_text(msg)}<|im_end|>\n")
-    parts.append("<|im_start|>assistant\n")
+    parts.append(ASSISTANT_OPENER)
     return "".join(parts)
 
 

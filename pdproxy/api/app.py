@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdproxy.admission import Admission
 from pdproxy.api.admin import router as admin_router
@@ -23,6 +23,7 @@ from pdproxy.api.dashboard import Dashboard
 from pdproxy.api.errors import error_response
 from pdproxy.api.info import router as info_router
 from pdproxy.api.openai import GenerationEndpoint
+from pdproxy.api.passthrough import PassthroughEndpoint
 from pdproxy.api.state import AppState
 from pdproxy.config import ProxyConfig, RetryConfig
 from pdproxy.connectors import KVConnector, load_connector
@@ -37,9 +38,11 @@ from pdproxy.load_scraper import LoadScraper
 from pdproxy.membership import Membership
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
+from pdproxy.passthrough import Passthrough
 from pdproxy.registry import EndpointRegistry
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
+from pdproxy.routes import ROUTES
 from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.tracing import Tracer, load_tracer
 from pdproxy.types import ApiKind
@@ -73,6 +76,7 @@ def create_app(
         # a known fleet rather than routing to an instance that never answered.
         await state.client.start()
         state.orchestrator.start()
+        state.passthrough.start()
         state.membership.add_static()
         await state.health.settle()
         state.health.start()
@@ -97,16 +101,26 @@ def create_app(
             await state.membership.aclose()
             await state.release.aclose()
             await state.orchestrator.aclose()
+            await state.passthrough.aclose()
             await state.client.aclose()
             await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
 
-    hot_paths = {kind.path: GenerationEndpoint(kind, state) for kind in ApiKind}
+    generation = {kind.path: GenerationEndpoint(kind, state) for kind in ApiKind}
+    passthrough = {r.path: PassthroughEndpoint(r, state) for r in ROUTES}
+    hot_paths: dict[str, ASGIApp] = {
+        **generation,
+        **{path: e for path, e in passthrough.items() if e.route.method == "POST"},
+    }
     app = _ProxyApp(hot_paths, title="pdproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.pdproxy = state
     app.state.zmq_registry = registry
-    for path, endpoint in hot_paths.items():
+    for path, endpoint in generation.items():
         # Also routed normally, so the OpenAPI schema and 405s stay right.
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
+    for path, passthrough_endpoint in passthrough.items():
+        app.router.routes.append(
+            Route(path, passthrough_endpoint, methods=[passthrough_endpoint.route.method])
+        )
     app.include_router(info_router)
     app.include_router(admin_router)
     if dashboard is not None:
@@ -160,15 +174,19 @@ def _build_state(
         health=health,
         clock=clock,
     )
-    orchestrator = _orchestrator(config, core, release, clock, rng)
-    return _app_state(config, core, orchestrator, membership, health, release, clock)
+    scheduler = _scheduler(config, core, clock, rng)
+    budget = _retry_budget(config.retry, clock)  # fleet-wide: generation and pass-through
+    orchestrator = _orchestrator(config, core, release, scheduler, budget, rng)
+    passthrough = _passthrough(config, core, scheduler, budget, rng)
+    return _app_state(config, core, orchestrator, passthrough, membership, health, release, clock)
 
 
 def _orchestrator(
     config: ProxyConfig,
     core: _Core,
     release: KVRelease,
-    clock: Callable[[], float],
+    scheduler: Scheduler,
+    budget: RetryBudget,
     rng: random.Random,
 ) -> Orchestrator:
     legs = Legs(
@@ -180,13 +198,34 @@ def _orchestrator(
     )
     return Orchestrator(
         registry=core.registry,
-        scheduler=_scheduler(config, core, clock, rng),
+        scheduler=scheduler,
         connector=core.connector,
         legs=legs,
         outliers=core.outliers,
         release=release,
         retry=config.retry,
-        budget=_retry_budget(config.retry, clock),
+        budget=budget,
+        metrics=core.metrics,
+        rng=rng,
+    )
+
+
+def _passthrough(
+    config: ProxyConfig,
+    core: _Core,
+    scheduler: Scheduler,
+    budget: RetryBudget,
+    rng: random.Random,
+) -> Passthrough:
+    return Passthrough(
+        registry=core.registry,
+        scheduler=scheduler,
+        client=core.client,
+        timeouts=config.timeouts,
+        verdicts=Verdicts(core.outliers, core.registry, core.metrics),
+        outliers=core.outliers,
+        retry=config.retry,
+        budget=budget,
         metrics=core.metrics,
         rng=rng,
     )
@@ -206,6 +245,7 @@ def _app_state(
     config: ProxyConfig,
     core: _Core,
     orchestrator: Orchestrator,
+    passthrough: Passthrough,
     membership: Membership,
     health: HealthChecker,
     release: KVRelease,
@@ -230,6 +270,7 @@ def _app_state(
             metrics=core.metrics,
             clock=clock,
         ),
+        passthrough=passthrough,
         clock=clock,
         admission=(Admission(config.admission, core.metrics) if config.admission.enabled else None),
         engine_authorization=_bearer(config.engine_api_key),
@@ -261,11 +302,12 @@ async def _proxy_error(request: Request, exc: Exception) -> Response:
 
 
 class _ProxyApp(FastAPI):
-    """FastAPI for everything but the generation endpoints, which go straight to their
-    handlers: FastAPI's own ``__call__`` and middleware stack cost a dozen ASGI layers and
-    an environment lookup per request, a measurable share of the proxy's CPU."""
+    """FastAPI for everything but the generation (and POST pass-through) endpoints, which go
+    straight to their handlers: FastAPI's own ``__call__`` and middleware stack cost a dozen
+    ASGI layers and an environment lookup per request, a measurable share of the proxy's
+    CPU."""
 
-    def __init__(self, hot_paths: dict[str, GenerationEndpoint], **kwargs: Any) -> None:
+    def __init__(self, hot_paths: dict[str, ASGIApp], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._hot_paths = hot_paths
 

@@ -32,7 +32,7 @@ from pdproxy.errors import Unauthorized
 from pdproxy.fleet_view import FleetWindow, Totals, figures_dict, series_dict, totals_from_samples
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.resilience.outlier import OutlierDetector
-from pdproxy.types import Endpoint, EngineLoad
+from pdproxy.types import ApiKind, Endpoint, EngineLoad
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,10 @@ def _static(body: bytes, media_type: str) -> Callable[[], Awaitable[Response]]:
 
 def read_totals(metrics: ProxyMetrics) -> Totals:
     """The cumulative figures, read from the metric objects (never from their text)."""
-    return totals_from_samples(_samples(metrics.requests), _samples(metrics.ttft_seconds))
+    generation = tuple(kind.value for kind in ApiKind)
+    return totals_from_samples(
+        _samples(metrics.requests), _samples(metrics.ttft_seconds), generation
+    )
 
 
 def _samples(metric: MetricWrapperBase) -> Iterable[Sample]:

@@ -9,9 +9,10 @@ both upstream legs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -64,7 +65,8 @@ class GenerationEndpoint:
         try:
             _admit(state, headers)
             request = await self._read_request(headers, receive, state)
-            trace.outcome = await _serve(state, request, receive, send, trace)
+            answer = functools.partial(state.orchestrator.handle, request)
+            trace.outcome = await _serve(state, answer, receive, send, trace)
         except ProxyError as error:
             trace.outcome = _outcome(error)
             await _send_error(send, error, trace)
@@ -103,9 +105,14 @@ def _admit(state: AppState, headers: dict[str, str]) -> None:
 
 
 async def _serve(
-    state: AppState, request: ClientRequest, receive: Receive, send: Send, trace: RequestTrace
+    state: AppState,
+    answer: Callable[[], Awaitable[ProxyResponse]],
+    receive: Receive,
+    send: Send,
+    trace: RequestTrace,
 ) -> str:
-    """Run the request, cancelling it if the client goes away; returns the outcome label."""
+    """Run the request (``answer`` gets its response), cancelling it if the client goes
+    away; returns the outcome label. Shared with the pass-through endpoints."""
     task = asyncio.current_task()
     disconnected = asyncio.Event()
     watcher = asyncio.create_task(_watch_disconnect(receive, task, disconnected))
@@ -114,7 +121,7 @@ async def _serve(
         if state.admission is not None:
             await state.admission.acquire()  # a client that leaves stops waiting
             admitted = True
-        response = await _orchestrate(state, request, send, trace)
+        response = await _orchestrate(state, answer, send, trace)
         if response is None:
             return "error"
         return await _send_response(send, response, state.lifecycle, trace)
@@ -133,7 +140,7 @@ async def _serve(
         return _outcome(error)
     except Exception:
         # The response may have started: nothing more can be said to this client.
-        logger.exception("unexpected failure relaying %s", request.kind.value)
+        logger.exception("unexpected failure relaying %s", trace.endpoint)
         return "error"
     finally:
         watcher.cancel()
@@ -147,7 +154,7 @@ def _uncancel(task: asyncio.Task[Any] | None) -> None:
 
 
 async def _orchestrate(
-    state: AppState, request: ClientRequest, send: Send, trace: RequestTrace
+    state: AppState, answer: Callable[[], Awaitable[ProxyResponse]], send: Send, trace: RequestTrace
 ) -> ProxyResponse | None:
     """The orchestrator's answer; a proxy bug becomes a generic 500 (and None)."""
     task = asyncio.current_task()
@@ -155,11 +162,11 @@ async def _orchestrate(
     if task is not None:
         waiting.add(task)  # until it answers, a drain past its grace may cancel it
     try:
-        return await state.orchestrator.handle(request)
+        return await answer()
     except (ProxyError, asyncio.CancelledError):
         raise
     except Exception:
-        logger.exception("unexpected failure serving %s", request.kind.value)
+        logger.exception("unexpected failure serving %s", trace.endpoint)
         await _send_whole(send, trace, *error_body(internal_error()))
         return None
     finally:
@@ -185,6 +192,8 @@ async def _send_response(
         (b"content-type", response.content_type.encode("latin-1")),
         (b"x-request-id", response.request_id.encode("latin-1")),
     ]
+    if response.headers:
+        headers.extend(response.headers)
     trace.status = response.status
     if response.stream is None:
         headers.append((b"content-length", str(len(response.body)).encode("latin-1")))

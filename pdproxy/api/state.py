@@ -17,6 +17,7 @@ from pdproxy.load_scraper import LoadScraper
 from pdproxy.membership import Membership
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
+from pdproxy.passthrough import Passthrough
 from pdproxy.registry import EndpointRegistry
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.tracing import NullTracer, Tracer
@@ -36,6 +37,7 @@ class AppState:
     keys: ClientKeys
     lifecycle: Lifecycle
     loads: LoadScraper  # the engines' /metrics scrapes
+    passthrough: Passthrough  # the endpoints served by one decode (pdproxy.routes)
     clock: Callable[[], float] = time.monotonic
     admission: Admission | None = None  # None: no --max-concurrent-requests
     engine_authorization: str | None = None  # "Bearer <--engine-api-key>"

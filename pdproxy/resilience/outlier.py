@@ -19,7 +19,7 @@ rules, against an injected clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pdproxy.config import OutlierConfig
 from pdproxy.types import BreakerState, Endpoint
@@ -44,6 +44,18 @@ class OutlierDetector:
         if health.ejected_until is None:
             return True
         return not health.trial_in_flight and self._clock() >= health.ejected_until
+
+    def usable(
+        self, pool: tuple[Endpoint, ...], avoid: Collection[str] = ()
+    ) -> tuple[Endpoint, ...]:
+        """``pool`` less the URLs in ``avoid`` and the unavailable; if only unavailable ones
+        are left, those (an ejected instance is a better bet than a certain 503). Nothing
+        dropped: ``pool`` itself, so the policies' per-snapshot caches hold."""
+        allowed = tuple(e for e in pool if e.url not in avoid) if avoid else pool
+        available = self.available
+        if all(map(available, allowed)):
+            return allowed
+        return tuple(e for e in allowed if available(e)) or allowed
 
     def on_overloaded(self, endpoint: Endpoint) -> None:
         """It answered 429/408: peers first for a while. Never counts toward ejection."""

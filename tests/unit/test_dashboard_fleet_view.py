@@ -229,3 +229,17 @@ def test_series_columns_keep_zeros_and_gaps_apart():
     assert columns["ttft_p50_seconds"][0] is None  # no first byte: a gap
     assert columns["ttft_p50_seconds"][2] == 0.05
     assert columns["errors_per_second"] == [0, 0, 0]
+
+
+def test_ttft_counts_only_the_endpoints_asked_for():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    registry = CollectorRegistry()
+    ttft = Histogram("t_seconds", "t", ("endpoint",), registry=registry, buckets=(0.01, 1.0))
+    ttft.labels("/v1/completions").observe(0.5)
+    ttft.labels("/tokenize").observe(0.001)
+    samples = [s for metric in ttft.collect() for s in metric.samples]
+    every = totals_from_samples([], samples)
+    generation = totals_from_samples([], samples, ("/v1/completions",))
+    assert every.ttft_buckets[-1][1] == 2 and generation.ttft_buckets[-1][1] == 1
+    assert generation.ttft_buckets[0][1] == 0  # the fast /tokenize is not in it

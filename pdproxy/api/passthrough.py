@@ -1,0 +1,88 @@
+"""The pass-through endpoints (``pdproxy.routes``) as raw ASGI handlers.
+
+Each is served like a generation endpoint: a draining proxy answers 503 and a missing or
+wrong client key 401 first, the body is read once under ``--max-body-bytes`` and must be a
+JSON object, admission control applies, a client that leaves cancels the work (closing the
+upstream leg, so vLLM aborts it), and the request ends with its metrics
+(``pdproxy_requests_total{endpoint=<path>}``), span and access line. Then ``Passthrough``
+answers it from one decode instance.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from pdproxy.api.access import RequestFinisher
+from pdproxy.api.errors import JSON
+from pdproxy.api.openai import (
+    _admit,
+    _ClientGone,
+    _headers,
+    _outcome,
+    _read_body,
+    _send_error,
+    _serve,
+)
+from pdproxy.api.state import AppState
+from pdproxy.errors import BadRequest, PayloadTooLarge, ProxyError, UnsupportedMediaType
+from pdproxy.passthrough import PassthroughRequest
+from pdproxy.request_context import RequestTrace, bind, unbind
+from pdproxy.routes import PassthroughRoute
+
+
+class PassthroughEndpoint:
+    """``POST /tokenize``, ``GET /version``, ... : one route of ``routes.ROUTES``."""
+
+    def __init__(self, route: PassthroughRoute, state: AppState) -> None:
+        self.route = route
+        self._state = state
+        self._finish = RequestFinisher(state.metrics, access_log=state.config.access_log)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self._state
+        state.in_flight += 1
+        headers = _headers(scope)
+        path = self.route.path
+        trace = RequestTrace(path, state.tracer.start_request(path, headers))
+        token = bind(trace)  # the request's log lines carry its id from here on
+        try:
+            _admit(state, headers)
+            request = await self._read_request(headers, receive)
+            answer = functools.partial(state.passthrough.handle, request)
+            trace.outcome = await _serve(state, answer, receive, send, trace)
+        except ProxyError as error:
+            trace.outcome = _outcome(error)
+            await _send_error(send, error, trace)
+        except _ClientGone:
+            trace.outcome = "client_disconnected"
+        finally:
+            state.in_flight -= 1
+            self._finish(trace)
+            unbind(token)
+
+    async def _read_request(self, headers: dict[str, str], receive: Receive) -> PassthroughRequest:
+        state = self._state
+        # With an engine key the client's own never reaches an engine; else it passes through.
+        upstream_auth = state.engine_authorization or headers.get("authorization")
+        session = headers.get(state.config.scheduling.session_header) or None
+        request_id = headers.get("x-request-id")
+        if self.route.method == "GET":
+            return PassthroughRequest(self.route, None, b"", request_id, upstream_auth, session)
+        limit = state.config.max_body_bytes
+        content_type = headers.get("content-type", "")
+        if content_type.split(";", 1)[0].strip().lower() != JSON:
+            raise UnsupportedMediaType("Content-Type must be application/json")
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        raw = await _read_body(receive, limit)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"invalid JSON body: {exc.msg}") from exc
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return PassthroughRequest(self.route, body, raw, request_id, upstream_auth, session)
