@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import platform
+import shlex
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -71,19 +72,24 @@ class Variant:
         command = proxy_args(port, prefill, decode, *args)
         if self.checkout is None:
             return command
-        return ["env", f"PYTHONPATH={self.checkout}", *command]
+        # From the checkout's directory: `python -m` puts the working directory first on
+        # sys.path, so this process imports that revision's pdproxy, not the installed one.
+        return ["env", "-C", self.checkout, f"PYTHONPATH={self.checkout}", *command]
 
 
 def variant(spec: str) -> Variant:
-    """``api-key``, ``access-log`` (logs at info: the access line of every request), or
-    ``rev=REV`` (the same flags, the code of git revision REV, checked out aside)."""
+    """``api-key``, ``access-log`` (logs at info: the access line of every request),
+    ``flags=FLAGS`` (more pdproxy flags), or ``rev=REV`` (the same flags, the code of git
+    revision REV, checked out aside)."""
     if spec == "api-key":
         return Variant("--api-key", ("--api-key-file", "{logdir}/client.key"), BENCH_KEY)
     if spec == "access-log":
         return Variant("logs at info", ("--log-level", "info"))
+    if spec.startswith("flags="):
+        return Variant(spec[6:], tuple(shlex.split(spec[6:])))
     if spec.startswith("rev="):
         return Variant(f"at {spec[4:]}", checkout=_checkout(spec[4:]))
-    raise argparse.ArgumentTypeError("choose api-key, access-log or rev=REV")
+    raise argparse.ArgumentTypeError("choose api-key, access-log, flags=FLAGS or rev=REV")
 
 
 def _checkout(rev: str) -> str:
@@ -279,7 +285,8 @@ def main() -> None:
         default=None,
         help="Also run each simulated scenario through a second pdproxy, alternating with "
         "the plain one in the same run, and report its CPU cost per request: api-key (checks "
-        "a client key), access-log (logs at info: an access line per request), rev=REV (the "
+        "a client key), access-log (logs at info: an access line per request), flags=FLAGS, "
+        "rev=REV (the "
         "code of git revision REV, for a before/after in one run).",
     )
     parser.add_argument(
