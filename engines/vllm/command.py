@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.vllm.settings import CONNECTORS, HOOKS_DIR, ROLES, SERVED_MODEL_NAME, Settings
+from engines.vllm.settings import CONNECTORS, HOOKS_DIR, ROLES, Settings
 
 # Our make variables that look like vLLM's (vLLM warns about unknown VLLM_* variables).
 OUR_VLLM_VARS = ("VLLM_VENV", "VLLM_PYTHON", "VLLM_CPU_VERSION", "VLLM_EXTRA_PIP")
 # Variables of the caller's Python that must not leak into the vLLM venv's interpreter.
 _PYTHON_VARS = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+# VLLM_CPU_OMP_THREADS_BIND values that are plain CPU lists ("0", "0-3", "0,2"), not "auto",
+# "nobind" or one list per rank ("0-3|4-7").
+_CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+# Where the worker's main thread goes instead of vLLM's NIXL pinning (hooks/sitecustomize.py):
+# set in the caller's environment to override, "vllm" keeps vLLM's own pinning.
+WORKER_CPUS_VAR = "PDPROXY_WORKER_CPUS"
 
 
 def kv_transfer_config(
@@ -58,14 +65,14 @@ def engine_command(
     connector: str,
     *,
     shared_storage_path: Path | None = None,
-    max_model_len: int = 512,
+    max_model_len: int | None = None,
     block_size: int = 32,
     kv_cache_gib: int = 1,
     kv_lease_duration: int | None = None,
     nixl_prog_thread: bool = False,
     extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
-    """argv and environment for one engine."""
+    """argv and environment for one engine (max_model_len: the model's own default if None)."""
     kv_cfg = kv_transfer_config(
         connector,
         spec.role,
@@ -73,7 +80,9 @@ def engine_command(
         kv_lease_duration=kv_lease_duration,
     )
     argv = [
-        *_server_argv(settings, spec, max_model_len, block_size),
+        *_server_argv(
+            settings, spec, max_model_len or settings.model_spec.max_model_len, block_size
+        ),
         "--kv-transfer-config",
         json.dumps(kv_cfg, separators=(",", ":")),
         *extra_args,
@@ -91,7 +100,7 @@ def _server_argv(
         "--model",
         str(settings.model_dir),
         "--served-model-name",
-        SERVED_MODEL_NAME,
+        settings.model,
         "--host",
         spec.host,
         "--port",
@@ -125,6 +134,11 @@ def _engine_env(
         DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",
     )
+    if WORKER_CPUS_VAR not in os.environ and _CPU_LIST.match(spec.cpu_bind):
+        # The same hook keeps the worker's main thread on the engine's own CPUs: vLLM's CPU
+        # NixlConnector would pin it to the last core of the NUMA node, the same core for the
+        # prefill and the decode.
+        env[WORKER_CPUS_VAR] = spec.cpu_bind
     if connector == "nixl":
         env.update(
             VLLM_NIXL_SIDE_CHANNEL_HOST=spec.host,

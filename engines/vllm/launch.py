@@ -11,19 +11,21 @@ Typical test use::
 
     with vllm_engines(connector="nixl") as pair:           # free ports, fresh run dir
         pair.prefill_url, pair.decode_url, pair.model      # "http://127.0.0.1:PORT", ..., "tiny-llama"
+    with vllm_engines("nixl", model="smollm2-135m-instruct") as pair:   # a real model (English)
         before = pair.decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         ...                                                # send requests
     # both engines and all their child processes are gone here
 
 Command line (used by engines/engines.mk)::
 
-    python3 launch.py ensure                   # venv + model (idempotent)
-    python3 launch.py up --connector nixl      # start P and D, wait for /health, return
+    python3 launch.py ensure [--model M]       # venv + model (idempotent)
+    python3 launch.py up --connector nixl [--model smollm2-135m-instruct]   # start P and D, wait
     python3 launch.py status
     python3 launch.py down
 
 Settings come from arguments or from the environment (the make variables of engines/engines.mk):
-PDPROXY_CACHE, VLLM_VENV, VLLM_PYTHON, TINY_MODEL_DIR, ENGINES_RUN_DIR.
+PDPROXY_CACHE, VLLM_VENV, VLLM_PYTHON, TINY_MODEL_DIR, SMOLLM2_MODEL_DIR, ENGINES_RUN_DIR, and
+for the CLI ENGINES_MODEL.
 
 This module is the entry point and the public surface; the work is done by its siblings:
 
@@ -68,10 +70,14 @@ from engines.vllm.lifecycle import (
 )
 from engines.vllm.settings import (
     CONNECTORS,
+    DEFAULT_MODEL,
     ENGINES_DIR,
     HOOKS_DIR,
+    MODELS,
     ROLES,
     SERVED_MODEL_NAME,
+    SMOLLM2,
+    TINY_LLAMA,
     EngineError,
     PortInUseError,
     Settings,
@@ -85,10 +91,14 @@ from engines.vllm.settings import (
 
 __all__ = [
     "CONNECTORS",
+    "DEFAULT_MODEL",
     "ENGINES_DIR",
     "HOOKS_DIR",
+    "MODELS",
     "ROLES",
     "SERVED_MODEL_NAME",
+    "SMOLLM2",
+    "TINY_LLAMA",
     "Engine",
     "EngineError",
     "EnginePair",
@@ -151,8 +161,15 @@ def _add_up_parser(
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Manage the real vLLM-CPU prefill/decode engines.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("ensure", help="create the vLLM venv and build the tiny model (idempotent)")
+    ensure = sub.add_parser("ensure", help="create the vLLM venv and build the model (idempotent)")
     up = _add_up_parser(sub)
+    for p in (ensure, up):
+        p.add_argument(
+            "--model",
+            default=os.environ.get("ENGINES_MODEL") or DEFAULT_MODEL,
+            choices=tuple(MODELS),
+            help="tiny-llama (random, fastest start) or smollm2-135m-instruct (answers in English)",
+        )
     for name in ("up", "down", "status"):
         p = up if name == "up" else sub.add_parser(name, help=f"{name} the engines")
         p.add_argument("--run-dir", default=None)
@@ -208,7 +225,7 @@ def _cmd_status(run_dir: Path) -> int:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    settings = Settings.from_env()
+    settings = Settings.from_env(model=getattr(args, "model", None))
     run_dir = Path(args.run_dir) if getattr(args, "run_dir", None) else settings.default_run_dir()
     try:
         if args.cmd == "ensure":

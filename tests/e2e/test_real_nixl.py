@@ -128,9 +128,14 @@ async def test_client_disconnect_mid_stream_aborts_decode(nixl_pair):
     pair = nixl_pair
     async with running_proxy(proxy_config(pair)) as proxy:
         session = aiohttp.ClientSession()
+        # ignore_eos: the random model may stop early, and with each engine on its own core
+        # a short answer can be over before the metric is read
         resp = await session.post(
             proxy.url + "/v1/completions",
-            json=body(pair, "completions", prompt("disconnect"), True, max_tokens=400),
+            json={
+                **body(pair, "completions", prompt("disconnect"), True, max_tokens=400),
+                "ignore_eos": True,
+            },
         )
         assert resp.status == 200
         await resp.content.readuntil(b"\n\n")
@@ -178,6 +183,7 @@ async def test_orphaned_kv_is_released_within_two_seconds(nixl_pair, record_prop
     before admission, which makes it notify P), instead of the 30 s lease."""
     from engines.ports import free_port
     from pdproxy.config import HealthConfig, OutlierConfig, RetryConfig
+    from pdproxy.scheduling_config import SchedulingConfig
 
     pair = nixl_pair
     dead = EngineAddress(url=f"http://127.0.0.1:{free_port()}")
@@ -185,6 +191,8 @@ async def test_orphaned_kv_is_released_within_two_seconds(nixl_pair, record_prop
         prefill=(EngineAddress(url=pair.prefill_url),),
         decode=(dead, EngineAddress(url=pair.decode_url)),  # round robin: dead first
         kv_connector=pair.connector,
+        # the default decode policy (least-loaded) would steer clear of the dead decode
+        scheduling=SchedulingConfig(decode_policy="round-robin"),
         retry=RetryConfig(max_retries=0),
         health=HealthConfig(interval=0),
         outlier=OutlierConfig(consecutive_failures=0),

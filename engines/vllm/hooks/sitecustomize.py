@@ -13,6 +13,18 @@ or a plain ``nixl._api``) has been executed. ``nixl_agent(name)`` without a conf
 
 Set PDPROXY_NIXL_PROG_THREAD=1 to keep NIXL's default (progress thread on).
 Set PDPROXY_NIXL_HOOK_FORCE=1 to override an explicit ``enable_prog_thread=True`` as well.
+
+A second patch keeps each engine's worker on its own CPUs. On CPU, vLLM's NixlConnector worker
+(``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py``) reserves the last core of
+each NUMA node for KV transfer and pins the worker's main thread there
+(``os.sched_setaffinity(0, rsv_cores_for_kv)``), whatever ``VLLM_CPU_OMP_THREADS_BIND`` says. With
+one worker thread that thread also runs the model, so on a 2-core machine the prefill's and the
+decode's workers share one core, and a decode busy-polling a KV fetch starves the prefill that
+must serve it (a 1P1D request took 0.6-0.7 s instead of 0.12 s, measured with measure_xfer.py).
+With PDPROXY_WORKER_CPUS set (a CPU
+list such as "0" or "0-3,6"; launch.py sets it to the engine's VLLM_CPU_OMP_THREADS_BIND), that one
+call pins to those CPUs instead (if the process may not use them, the thread keeps its affinity).
+"keep" skips the call; unset or "vllm" leaves vLLM's pinning alone.
 """
 
 from __future__ import annotations
@@ -30,6 +42,54 @@ _DELAY_US = int(os.environ.get("PDPROXY_NIXL_PTHR_DELAY_US", "1000"))
 # Thread-sync mode forced together with enable_prog_thread=False ("" keeps NIXL's choice).
 _SYNC_MODE = os.environ.get("PDPROXY_NIXL_SYNC_MODE", "NIXL_THREAD_SYNC_STRICT")
 _TARGETS = {"nixl._api", "nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api"}
+_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+_WORKER_CPUS = os.environ.get("PDPROXY_WORKER_CPUS", "").strip()
+_VERBOSE = os.environ.get("PDPROXY_NIXL_HOOK_VERBOSE") == "1"
+
+
+def _parse_cpus(text: str) -> set[int]:
+    """ "0-3,6" -> {0, 1, 2, 3, 6}; raises ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+class _WorkerOs:
+    """Stands in for `os` inside vLLM's NIXL base_worker: its `sched_setaffinity` (the pinning of
+    the worker's main thread to the last core of each NUMA node) pins to the engine's own CPUs."""
+
+    def __init__(self, real, wanted: set[int] | None):
+        self._real = real
+        self._wanted = wanted  # None: skip the call
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def sched_setaffinity(self, pid, mask):
+        action = "kept"
+        if self._wanted is not None:
+            try:
+                self._real.sched_setaffinity(pid, self._wanted)
+                action = "pinned instead"
+            except OSError as exc:  # CPUs this process may not use: keep what it has
+                action = f"kept ({exc.strerror} for {sorted(self._wanted)})"
+        if _VERBOSE:
+            print(
+                f"[pdproxy hook] NIXL worker asked to pin to CPUs {sorted(mask)}: {action}, "
+                f"now {sorted(self._real.sched_getaffinity(pid))} "
+                f"(PDPROXY_WORKER_CPUS={_WORKER_CPUS!r}, pid {self._real.getpid()})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _patch_worker(module) -> None:
+    if isinstance(getattr(module, "os", None), _WorkerOs):
+        return
+    wanted = None if _WORKER_CPUS == "keep" else _parse_cpus(_WORKER_CPUS)
+    module.os = _WorkerOs(os, wanted)
 
 
 class _BindProxy:
@@ -105,14 +165,14 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module):
         self._inner.exec_module(module)
         try:
-            _patch(module)
+            _PATCHES[module.__name__](module)
         except Exception as exc:  # never break the engine because of the hook
             print(f"[pdproxy hook] could not patch {module.__name__}: {exc!r}", file=sys.stderr)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _TARGETS:
+        if fullname not in _PATCHES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -125,9 +185,14 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+_PATCHES = {}
 if _MODE in ("delay", "noprog") and os.environ.get("PDPROXY_NIXL_PROG_THREAD", "0") != "1":
+    _PATCHES.update(dict.fromkeys(_TARGETS, _patch))
+if _WORKER_CPUS and _WORKER_CPUS != "vllm":
+    _PATCHES[_WORKER_MODULE] = _patch_worker
+if _PATCHES:
     # Already imported (unlikely at start-up)? Patch in place.
-    for _name in _TARGETS:
+    for _name, _patch_module in _PATCHES.items():
         if _name in sys.modules:
-            _patch(sys.modules[_name])
+            _patch_module(sys.modules[_name])
     sys.meta_path.insert(0, _Finder())
