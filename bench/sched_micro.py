@@ -34,7 +34,9 @@ def _fleet(instances: int, rng: random.Random) -> Snapshot:
             source=Source.STATIC,
         )
         e.in_flight = rng.randrange(8)
+        e.work = float(e.in_flight)
         e.engine_load = EngineLoad(rng.randrange(8), rng.randrange(4), rng.random(), NOW)
+        e.others, e.others_until = e.engine_load.others, NOW + 3.0
         return e
 
     half = instances // 2

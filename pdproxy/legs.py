@@ -272,7 +272,8 @@ def enter(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
 
 def leave(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
     endpoint.in_flight -= 1
-    endpoint.work = endpoint.work - weight if endpoint.in_flight else 0.0  # no float drift
+    idle = not endpoint.in_flight and not endpoint.reserved
+    endpoint.work = 0.0 if idle else endpoint.work - weight  # no float drift
     if rank is not None and rank < len(endpoint.rank_in_flight):
         endpoint.rank_in_flight[rank] -= 1
 

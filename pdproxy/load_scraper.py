@@ -95,7 +95,9 @@ class LoadScraper:
             return
         # The engine's figures include this proxy's own legs; note how many there were, so
         # the scheduler adds only the others' load to its live count.
-        endpoint.engine_load = dataclasses.replace(load, own=float(endpoint.in_flight))
+        load = dataclasses.replace(load, own=float(endpoint.in_flight))
+        endpoint.engine_load = load
+        endpoint.others, endpoint.others_until = load.others, load.scraped_at + self.max_age
         if endpoint.url in self._failing:
             self._failing.discard(endpoint.url)
             logger.info("%s %s: load figures read again", endpoint.role.value, endpoint.url)

@@ -62,11 +62,14 @@ class _Run:
         if decode is not self.reserved:
             self.unreserve()
             decode.reserved += 1
+            decode.work += 1.0
             self.reserved = decode
 
     def unreserve(self) -> None:
-        if self.reserved is not None:
-            self.reserved.reserved -= 1
+        decode = self.reserved
+        if decode is not None:
+            decode.reserved -= 1
+            decode.work = decode.work - 1.0 if decode.in_flight or decode.reserved else 0.0
             self.reserved = None
 
 

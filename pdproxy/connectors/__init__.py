@@ -46,6 +46,9 @@ class KVConnector(Protocol):
     # True when D may be told its DP rank (X-data-parallel-rank): the KV reaches any rank
     # of D alike (a pull, or shared storage). Push connectors address a rank themselves.
     routes_decode_rank: bool
+    # True when a decode can serve a request by itself (decode-only requests); False when
+    # it always waits for KV from the prefill its request id names (P2P-NCCL).
+    serves_decode_alone: bool
 
     def begin(self, decision: PairDecision, client_request_id: str | None) -> Transfer:
         """Fix the request id (and any transfer id) that both legs carry."""
@@ -105,6 +108,7 @@ class SerialConnector:
     ``kv_transfer_params`` on either leg, no bootstrap."""
 
     routes_decode_rank = False
+    serves_decode_alone = True
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> SerialConnector:

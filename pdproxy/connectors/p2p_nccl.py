@@ -14,6 +14,8 @@ from pdproxy.types import PairDecision
 
 
 class P2pNcclConnector(SerialConnector):
+    serves_decode_alone = False  # a consumer waits for the KV its request id's producer pushes
+
     def begin(self, decision: PairDecision, client_request_id_: str | None) -> Transfer:
         request_id = peer_request_id(decision.prefill.kv_address, decision.decode.kv_address)
         return Transfer(decision, request_id)

@@ -21,6 +21,8 @@ class RequestFeatures:
     tokens: float = 0.0  # estimated prompt tokens
     session: str | None = None  # consistent-hash key
     blocks: tuple[int, ...] = ()
+    # why the request must not be split across two legs (``features.one_leg_reason``)
+    one_leg: str | None = None
 
 
 @dataclass(slots=True)
@@ -39,10 +41,12 @@ class Context:
         """An endpoint's load, in requests at its role's typical speed, the new one
         included: ``(requests + 1) * slowness``.
 
-        The requests are the proxy's own legs in flight plus those bound for it whose leg
-        has not started (exact, live), plus, when its engine's last scrape is fresh, the
-        ones the engine runs or queues for others (other replicas, other clients): its
-        running + waiting less this proxy's legs at that scrape. Trusting the raw engine
+        The requests are the proxy's own legs in flight (``Endpoint.work``, a prefill leg
+        weighted by its prompt size) plus those bound for it whose leg has not started
+        (exact, live), plus, when its engine's last scrape is fresh, the ones the engine runs
+        or queues for others (other replicas, other clients): its running + waiting less
+        this proxy's legs at that scrape (``Endpoint.others``, fresh until
+        ``others_until``, both set by the scraper). Trusting the raw engine
         figure instead would make a burst the proxy already moved elsewhere look like load
         for a whole scrape interval, and herd the next burst. ``slowness`` is measured by
         ``scheduling.speed``: an idle prefill four times slower than its peers weighs as
@@ -54,15 +58,19 @@ class Context:
         a second call for the same sequence reuses the first's answer."""
         if endpoints is self._loads_of:
             return self._loads
-        oldest = self.now - self.max_age
+        now = self.now
         self._loads_of = endpoints
         self._loads = [
-            (e.work + e.reserved + f.others + 1.0) * e.slowness
-            if (f := e.engine_load) is not None and f.scraped_at >= oldest
-            else (e.work + e.reserved + 1.0) * e.slowness
+            (e.work + e.others + 1.0) * e.slowness
+            if e.others_until >= now
+            else (e.work + 1.0) * e.slowness
             for e in endpoints
         ]
         return self._loads
+
+    def remember_loads(self, endpoints: Sequence[Endpoint], loads: list[float]) -> None:
+        """``loads`` are ``endpoints``' (a filter's survivors, from a computed list)."""
+        self._loads_of, self._loads = endpoints, loads
 
     def kv_usage(self, endpoint: Endpoint) -> float | None:
         """The engine's KV-cache usage (0..1) when its last scrape is fresh."""

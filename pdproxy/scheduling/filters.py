@@ -54,4 +54,7 @@ class OverloadFilter:
         limit = max(floor + self.abs_threshold, floor * self.rel_threshold)
         if max(loads) <= limit:
             return endpoints
-        return [e for e, load in zip(endpoints, loads, strict=True) if load <= limit]
+        kept = [i for i, load in enumerate(loads) if load <= limit]
+        survivors = [endpoints[i] for i in kept]
+        ctx.remember_loads(survivors, [loads[i] for i in kept])  # the next plugins need them
+        return survivors

@@ -46,7 +46,7 @@ class PrefixScorer:
     def __init__(self, index: PrefixIndex, min_share: float = 0.0) -> None:
         self.index = index
         self.min_share = min_share
-        self._positions: tuple[Sequence[Endpoint], dict[str, int]] | None = None
+        self._positions: tuple[Sequence[Endpoint] | None, dict[str, int] | None] = (None, None)
 
     def score(self, ctx: Context, endpoints: Sequence[Endpoint]) -> list[float]:
         scores = [0.0] * len(endpoints)
@@ -54,21 +54,31 @@ class PrefixScorer:
         depths = prefix_matches(ctx, self.index) if total else None
         if not depths:
             return scores
-        positions = self._position_of(endpoints)
         floor = self.min_share * total
-        for url, depth in depths.items():  # the few instances that match, not all of them
-            at = positions.get(url)
-            if at is not None and depth >= floor:
+        positions = self._positions_of(endpoints)
+        if positions is not None:  # a snapshot seen before: visit only the matches
+            for url, depth in depths.items():
+                at = positions.get(url)
+                if at is not None and depth >= floor:
+                    scores[at] = depth / total
+            return scores
+        for at, endpoint in enumerate(endpoints):
+            depth = depths.get(endpoint.address.url, 0)
+            if depth and depth >= floor:
                 scores[at] = depth / total
         return scores
 
-    def _position_of(self, endpoints: Sequence[Endpoint]) -> dict[str, int]:
-        """url -> index in ``endpoints``, kept for the same sequence (a snapshot)."""
-        cached = self._positions
-        if cached is not None and cached[0] is endpoints:
-            return cached[1]
-        positions = {e.url: i for i, e in enumerate(endpoints)}
-        self._positions = (endpoints, positions)
+    def _positions_of(self, endpoints: Sequence[Endpoint]) -> dict[str, int] | None:
+        """url -> index for a sequence met twice in a row (the registry's snapshot, which
+        lasts until membership or health changes); None for one met once (a filter's
+        survivors), which is cheaper to scan than to index."""
+        last, positions = self._positions
+        if endpoints is not last:
+            self._positions = (endpoints, None)
+            return None
+        if positions is None:
+            positions = {e.address.url: i for i, e in enumerate(endpoints)}
+            self._positions = (endpoints, positions)
         return positions
 
 

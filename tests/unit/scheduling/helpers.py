@@ -19,7 +19,10 @@ def endpoint(url: str, role: Role = Role.DECODE, *, in_flight: int = 0, dp: int 
 
 
 def with_load(e: Endpoint, running=0.0, waiting=0.0, kv=0.0, age=0.0, ranks=()) -> Endpoint:
-    e.engine_load = EngineLoad(running, waiting, kv, NOW - age, tuple(RankLoad(*r) for r in ranks))
+    """Figures as the scraper leaves them, read ``age`` seconds ago (fresh for 3 s)."""
+    load = EngineLoad(running, waiting, kv, NOW - age, tuple(RankLoad(*r) for r in ranks))
+    e.engine_load = load
+    e.others, e.others_until = load.others, load.scraped_at + 3.0
     return e
 
 

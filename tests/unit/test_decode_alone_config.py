@@ -1,0 +1,21 @@
+import pytest
+
+from pdproxy.api.app import create_app
+from pdproxy.config import ProxyConfig
+from pdproxy.errors import ConfigError
+from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.types import EngineAddress
+
+ADDR = (EngineAddress(url="http://a:1"),)
+
+
+@pytest.mark.parametrize(
+    "scheduling",
+    [SchedulingConfig(pd_threshold_tokens=256), SchedulingConfig(decode_only_fallback=True)],
+)
+def test_decode_only_options_need_a_connector_whose_decode_serves_alone(scheduling):
+    with pytest.raises(ConfigError, match="p2p-nccl"):
+        create_app(
+            ProxyConfig(prefill=ADDR, decode=ADDR, kv_connector="p2p-nccl", scheduling=scheduling)
+        )
+    create_app(ProxyConfig(prefill=ADDR, decode=ADDR, kv_connector="nixl", scheduling=scheduling))
