@@ -192,6 +192,8 @@ def _health(a: argparse.Namespace) -> HealthConfig:
         success_threshold=a.health_success_threshold,
         endpoint=a.health_check_endpoint,
         engine_metrics_interval=a.engine_metrics_interval_secs,
+        warm_pairs=a.warm_pairs,
+        warm_timeout=a.warm_timeout_secs,
     )
 
 
@@ -289,7 +291,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         len(config.prefill),
         len(config.decode),
     )
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except ConfigError as exc:  # what only the connector knows (pdproxy.connectors)
+        build_parser().error(str(exc))
     state = app.state.pdproxy
     server_config = uvicorn.Config(
         app,

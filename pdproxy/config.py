@@ -179,6 +179,10 @@ class HealthConfig:
     success_threshold: int = 2
     endpoint: str = "/health"
     engine_metrics_interval: float = 1.0
+    # pre-warmed pairs (``pdproxy.warmup``): a new instance first runs one tiny PD request
+    # with up to ``warm_pairs`` peers of the other role (0: off), for at most ``warm_timeout``
+    warm_pairs: int = 0
+    warm_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.timeout <= 0:
@@ -189,6 +193,8 @@ class HealthConfig:
             raise ConfigError("health check thresholds must be >= 1")
         if not self.endpoint.startswith("/"):
             raise ConfigError("--health-check-endpoint must start with /")
+        if self.warm_pairs < 0 or self.warm_timeout <= 0:
+            raise ConfigError("--warm-pairs must be >= 0 and --warm-timeout-secs > 0")
 
     @property
     def enabled(self) -> bool:

@@ -288,6 +288,19 @@ HEALTH: tuple[NumberFlag, ...] = (
         "Passed checks in a row that make an unhealthy instance healthy again.",
     ),
     (
+        ("--warm-pairs",),
+        int,
+        _H.warm_pairs,
+        "Peers of the other role a new instance warms a P/D pair with (one tiny PD request"
+        " each, the connector's handshake) before it is routable (0: off).",
+    ),
+    (
+        ("--warm-timeout-secs",),
+        float,
+        _H.warm_timeout,
+        "Longest a new instance waits for its warm-up before it is routable anyway.",
+    ),
+    (
         ("--outlier-consecutive-failures", "--cb-failure-threshold"),
         int,
         _O.consecutive_failures,

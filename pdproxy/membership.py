@@ -3,8 +3,10 @@
 Registered instances (ZMQ heartbeats) expire ``ttl`` seconds after their last message;
 static (command line) and admin-added ones never expire. Before an instance is routable it
 must agree with the deployment: one transfer mode for all, the ``--model`` if one is set,
-and whatever the connector must learn from it (Mooncake's engine ids). Probes run on the
-event loop in the background; a sweep timer expires, re-probes and finishes drains.
+and whatever the connector must learn from it (Mooncake's engine ids); under
+``--warm-pairs`` it then warms a few P/D pairs with its peers (``pdproxy.warmup``). Probes
+run on the event loop in the background; a sweep timer expires, re-probes and finishes
+drains.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pdproxy.log import RateLimitedLogger
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.registry import EndpointRegistry
 from pdproxy.types import Endpoint, EndpointState, EngineAddress, ProbeState, Role, Source
+from pdproxy.warmup import PairWarmer
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,9 @@ class Membership:
         self._probes: dict[str, asyncio.Task[None]] = {}
         self._retired: dict[str, float] = {}  # url -> until when its heartbeats are ignored
         self._sweeper: asyncio.Task[None] | None = None
+        self._warmer = PairWarmer(
+            config.health, registry=registry, client=client, connector=connector, model=config.model
+        )
 
     # -- sources -------------------------------------------------------------------------
 
@@ -116,6 +122,10 @@ class Membership:
             raise AdminError(400, problem)
         if self._registry.get(address.url) is not None:  # raced with a heartbeat
             raise AdminError(409, f"instance {address.host_port} is already registered")
+        self._warmer.forget(address.url)
+        await self._warmer.warm(endpoint)
+        if self._registry.get(address.url) is not None:
+            raise AdminError(409, f"instance {address.host_port} is already registered")
         self._retired.pop(address.url, None)
         endpoint.state = EndpointState.READY
         self._registry.add(endpoint)
@@ -139,11 +149,18 @@ class Membership:
     def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep_forever())
 
+    async def settle(self) -> None:
+        """Under ``--warm-pairs``, await the admissions in progress (the static instances'
+        warm-ups), each bounded by the warm-up timeout, so the proxy starts warm."""
+        if self._warmer.enabled and self._probes:
+            await asyncio.wait(list(self._probes.values()))
+
     async def aclose(self) -> None:
         tasks = [t for t in (self._sweeper, *self._probes.values()) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._warmer.aclose()
 
     def sweep(self) -> None:
         """Expire silent instances, finish drains, retry pending probes."""
@@ -174,6 +191,7 @@ class Membership:
 
     def _admit(self, endpoint: Endpoint) -> None:
         self._health.admitted(endpoint)
+        self._warmer.forget(endpoint.url)
         if self._needs_probe(endpoint):
             endpoint.state = EndpointState.PENDING
             self._registry.add(endpoint)
@@ -186,7 +204,7 @@ class Membership:
 
     def _needs_probe(self, endpoint: Endpoint) -> bool:
         model_check = self._config.model is not None and endpoint.source is not Source.STATIC
-        return model_check or self._bootstrap_url(endpoint) is not None
+        return model_check or self._bootstrap_url(endpoint) is not None or self._warmer.enabled
 
     def _bootstrap_url(self, endpoint: Endpoint) -> str | None:
         if endpoint.role is not Role.PREFILL:
@@ -202,6 +220,8 @@ class Membership:
 
     async def _probe(self, endpoint: Endpoint) -> None:
         problem = await self._check(endpoint, require_reachable=False)
+        if problem is None:
+            await self._warmer.warm(endpoint)  # bounded; routable afterwards whatever happened
         if self._registry.get(endpoint.url) is not endpoint:
             return  # replaced or removed while probing
         if problem is None:

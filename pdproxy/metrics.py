@@ -67,7 +67,8 @@ class ProxyMetrics:
         self.decode_only = Counter(
             "pdproxy_decode_only_requests_total",
             "Requests served by a decode alone, without a prefill, by reason: short_prompt"
-            " (under --pd-threshold-tokens) or no_prefill (--decode-only-fallback).",
+            " (under --pd-threshold-tokens), no_prefill (--decode-only-fallback),"
+            " parallel_sampling (n/best_of > 1) or prompt_logprobs (vLLM cannot split them).",
             ("reason",),
             registry=registry,
         )

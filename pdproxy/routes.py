@@ -1,7 +1,8 @@
 """The endpoints pdproxy relays whole to one instance, and how a Responses API
 conversation stays on the instance that holds it. Pure: no I/O.
 
-Only ``/v1/completions`` and ``/v1/chat/completions`` go through prefill and decode. The
+Only ``/v1/completions``, ``/v1/chat/completions`` and the token-in
+``/inference/v1/generate`` go through prefill and decode. The
 rest of vLLM's surface that pdproxy serves goes to ONE decode instance (``Passthrough``),
 the body and status as they came:
 
@@ -10,6 +11,9 @@ the body and status as they came:
 * ``/v1/embeddings``, ``/pooling``, ``/score`` (``/v1/score``), ``/rerank`` (``/v1/rerank``,
   ``/v2/rerank``): pooling models run one forward pass over the prompt and have no decode
   phase, so there is no KV to hand over.
+* ``/v1/completions/render``, ``/v1/chat/completions/render``: vLLM's render step
+  (``--enable-scale-out``) turns a text request into token ids and sampling params for
+  ``/inference/v1/generate``; it runs the tokenizer and chat template only, no model.
 * ``/v1/responses``: generation, but stateful in vLLM. With ``store: true`` (the default)
   and ``VLLM_ENABLE_RESPONSES_API_STORE=1``, the instance that served a response keeps it,
   and its conversation, in its own memory; a later request naming it in
@@ -60,6 +64,8 @@ class PassthroughRoute:
 ROUTES: tuple[PassthroughRoute, ...] = (
     PassthroughRoute("/tokenize"),
     PassthroughRoute("/detokenize"),
+    PassthroughRoute("/v1/completions/render"),
+    PassthroughRoute("/v1/chat/completions/render"),
     PassthroughRoute("/v1/embeddings"),
     PassthroughRoute("/pooling"),
     PassthroughRoute("/score"),

@@ -2,6 +2,12 @@
 
 Both legs are built from the client's *untouched* original body, so a leg can be rebuilt
 (or a later fallback can send the original) without undoing earlier edits.
+
+Two body shapes exist. The OpenAI text endpoints carry the limits top-level
+(``max_tokens``, ``min_tokens``). vLLM's token-in ``/inference/v1/generate`` carries them in
+its ``sampling_params`` object, beside ``token_ids``; ``stream``, ``stream_options`` and
+``kv_transfer_params`` stay top-level there too. The shape is told from the body itself
+(``is_token_in``), so the connectors, which see only bodies, shape both alike.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
+
+from pdproxy.types import ApiKind
 
 MODEL = "model"
 PROMPT = "prompt"
@@ -21,6 +29,8 @@ MAX_COMPLETION_TOKENS = "max_completion_tokens"
 MIN_TOKENS = "min_tokens"
 MIN_COMPLETION_TOKENS = "min_completion_tokens"
 KV_TRANSFER_PARAMS = "kv_transfer_params"
+TOKEN_IDS = "token_ids"
+SAMPLING_PARAMS = "sampling_params"
 
 HEADER_REQUEST_ID = "X-Request-Id"
 HEADER_DP_RANK = "X-data-parallel-rank"
@@ -38,13 +48,38 @@ _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 JSONBody = dict[str, Any]
 
 
+def is_token_in(body: Mapping[str, Any]) -> bool:
+    """A ``/inference/v1/generate`` body: token ids with a ``sampling_params`` object (the
+    text endpoints have neither)."""
+    return TOKEN_IDS in body and isinstance(body.get(SAMPLING_PARAMS), Mapping)
+
+
+def body_kind(body: Mapping[str, Any]) -> ApiKind:
+    """The endpoint a generation body is for, from its shape."""
+    if is_token_in(body):
+        return ApiKind.GENERATE
+    return ApiKind.CHAT if MESSAGES in body else ApiKind.COMPLETIONS
+
+
 def one_token(body: Mapping[str, Any], dropped: frozenset[str] = _ONE_TOKEN_DROPPED) -> JSONBody:
-    """``body`` clamped to one whole token: not streamed, no minimum, no stream options."""
+    """``body`` clamped to one whole token: not streamed, no minimum, no stream options.
+    A token-in body is clamped in its ``sampling_params``."""
     clamped = {k: v for k, v in body.items() if k not in dropped}
-    clamped[MAX_TOKENS] = 1
-    if MAX_COMPLETION_TOKENS in body:
-        clamped[MAX_COMPLETION_TOKENS] = 1
+    if is_token_in(body):
+        clamped[SAMPLING_PARAMS] = _one_token_sampling(body[SAMPLING_PARAMS])
+    else:
+        clamped[MAX_TOKENS] = 1
+        if MAX_COMPLETION_TOKENS in body:
+            clamped[MAX_COMPLETION_TOKENS] = 1
     clamped[STREAM] = False
+    return clamped
+
+
+def _one_token_sampling(params: Mapping[str, Any]) -> JSONBody:
+    """vLLM's ``SamplingParams`` limited to one token (``min_tokens`` > ``max_tokens`` is
+    rejected, so the minimum goes)."""
+    clamped = {k: v for k, v in params.items() if k != MIN_TOKENS}
+    clamped[MAX_TOKENS] = 1
     return clamped
 
 

@@ -16,10 +16,15 @@ class Role(str, enum.Enum):
 
 
 class ApiKind(str, enum.Enum):
-    """The OpenAI endpoint a request came in on; both legs use the same one."""
+    """The endpoint a generation request came in on; both legs use the same one.
+
+    ``GENERATE`` is vLLM's token-in entrypoint (``--enable-scale-out``): token ids in,
+    ``sampling_params`` as an object, ``stream`` and ``kv_transfer_params`` top-level.
+    """
 
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    GENERATE = "/inference/v1/generate"
 
     @property
     def path(self) -> str:
@@ -133,7 +138,9 @@ class Endpoint:
     expires_at: float | None = None  # monotonic deadline; None = never expires
     last_seen: float | None = None  # wall-clock time of the last heartbeat
     in_flight: int = 0
-    work: float = 0.0  # legs in flight weighted by size (a prefill: its prompt over the typical)
+    # Legs in flight weighted by size (a prefill: its prompt over the typical), plus the
+    # requests reserved on it: the scheduler's count of this proxy's load.
+    work: float = 0.0
     reserved: int = 0  # requests bound for it whose leg has not started (a decode awaiting P)
     seconds_per_token: float = 0.0  # its prefill legs' mean, measured (scheduling.speed)
     slowness: float = 1.0  # seconds_per_token over its role's typical; 1.0 until measured
@@ -145,6 +152,10 @@ class Endpoint:
     kv_sources: dict[str, None] = field(default_factory=dict)
     # The engine's own load figures from its last /metrics scrape; None until one worked.
     engine_load: EngineLoad | None = None
+    # The scheduler's copy of the figures' one number it reads per decision: the engine's
+    # requests that are not this proxy's, trusted until ``others_until`` (monotonic).
+    others: float = 0.0
+    others_until: float = 0.0
     # Legs in flight per DP rank (index = rank), for rank balancing; grown on demand.
     rank_in_flight: list[int] = field(default_factory=list)
 
@@ -198,7 +209,8 @@ class PairDecision:
 class DecodeOnly:
     """The scheduler's choice to serve a request on a decode alone, as a plain request:
     its prompt is too short to be worth a transfer (``short_prompt``), or no prefill is
-    routable and ``--decode-only-fallback`` is on (``no_prefill``)."""
+    routable and ``--decode-only-fallback`` is on (``no_prefill``), or vLLM cannot split it
+    across two legs (``parallel_sampling``, ``prompt_logprobs``: ``scheduling.features``)."""
 
     decode: Endpoint
     reason: str

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from engines.sim import generate, metrics, openai_api, pooling, responses
+from engines.sim import generate, metrics, openai_api, pooling, responses, scale_out
 from engines.sim.config import Faults, SimConfig
 from engines.sim.engine import Engine
 from engines.sim.errors import ApiError, RequestValidationError, error_body
@@ -21,6 +21,8 @@ JSON = "application/json"
 RESPONSES_PATH = "/v1/responses"
 NOT_FOUND = b'{"detail":"Not Found"}'
 NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
+# The endpoints answered whole by one pure function of the request.
+SINGLE: dict[str, pooling.Handler] = {**pooling.HANDLERS, **scale_out.HANDLERS}
 
 
 class SimApp:
@@ -60,7 +62,7 @@ class SimApp:
                 return
             self.generation(req)
             return
-        if req.path in pooling.HANDLERS or req.path == RESPONSES_PATH:
+        if req.path in SINGLE or req.path == RESPONSES_PATH:
             if req.method != "POST":
                 req.conn.send(405, NOT_ALLOWED)
                 return
@@ -136,7 +138,7 @@ class SimApp:
 
     def single(self, http: Request) -> None:
         """One of the endpoints vLLM serves on the instance alone (no KV transfer):
-        tokenize, embeddings, pooling, score, rerank, responses."""
+        tokenize, render, embeddings, pooling, score, rerank, responses."""
         rec = self.recorder.add(http.method, http.path, http.headers, None)
         delay = float(self.faults.headers_delay_s)
         if delay > 0:
@@ -158,7 +160,7 @@ class SimApp:
             if http.path == RESPONSES_PATH:
                 self._responses(http, body, rec)
                 return
-            answer = pooling.HANDLERS[http.path](body, http.headers, self.config)
+            answer = SINGLE[http.path](body, http.headers, self.config)
         except ApiError as exc:
             _refuse(http, rec, exc)
             return
@@ -258,11 +260,18 @@ def _refuse(http: Request, rec: RequestRecord, exc: ApiError) -> None:
 
 
 def contract_violation(cfg: SimConfig, gen: openai_api.GenRequest) -> str | None:
-    """Why a prefill-leg request breaks the P-leg contract (PROTOCOLS.md 0.4), or None."""
-    remote_decode = bool((gen.kv_transfer_params or {}).get("do_remote_decode"))
+    """Why a prefill-leg request breaks the P-leg contract (PROTOCOLS.md 0.4), or None.
+
+    Also what vLLM 0.32 cannot do across two legs (``pdproxy.scheduling.features``): ``n`` >
+    1 on either leg (each forked choice holds or reads the same transfer) and prompt logprobs
+    on a prefill (the decode recomputes the prompt)."""
+    params = gen.kv_transfer_params or {}
+    if gen.n > 1 and (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+        return f"n={gen.n} across two legs: every choice would read the same transfer"
+    remote_decode = bool(params.get("do_remote_decode"))
     if not remote_decode and cfg.role != "prefill":
         return None
-    body = gen.body
+    body = gen.options  # a generate body's limits are in its sampling_params
     if body.get("max_tokens") != 1:
         return f"prefill leg must set max_tokens=1, got {body.get('max_tokens')!r}"
     mct = body.get("max_completion_tokens")
@@ -270,4 +279,8 @@ def contract_violation(cfg: SimConfig, gen: openai_api.GenRequest) -> str | None
         return f"prefill leg must set max_completion_tokens=1, got {mct!r}"
     if gen.stream:
         return "prefill leg must not stream"
+    if body.get("prompt_logprobs") is not None:
+        return "prefill leg with prompt_logprobs: the decode recomputes the prompt"
+    if gen.n > 1:
+        return f"prefill leg with n={gen.n}: only one choice's blocks would be handed over"
     return None

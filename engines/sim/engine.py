@@ -78,7 +78,7 @@ class Engine:
             kv = model.extend_kv(loaded[:external], tokens, external)
             c.tokens_external_kv_transfer += external
             c.tokens_local_compute += n - external
-            return Prefill(kv, 0, external, n - external)
+            return Prefill(kv, _reported_cached(req, external), external, n - external)
         kv = model.compute_kv(tokens)
         cached = self.prefix.match_and_insert(kv)
         c.prefix_cache_queries += n
@@ -90,7 +90,7 @@ class Engine:
     def steps(self, req: GenRequest, pre: Prefill) -> Iterator[Step]:
         """Generated pieces; the last one carries finish_reason (and stop_reason)."""
         words = model.decode_words(pre.kv[-1])
-        min_tokens = req.body.get("min_tokens") or 0
+        min_tokens = req.options.get("min_tokens") or 0
         text = ""
         for i in range(req.max_tokens):
             piece = " " + next(words)
@@ -119,7 +119,22 @@ class Engine:
         else:
             self.counters.requests_finished_length += 1
         params = self.connector.finished(req, pre.kv)
+        if params is not None and params.get("do_remote_prefill"):
+            # vLLM's scheduler: P's own prefix-cache hit travels in the handoff, so that
+            # the decode reports it instead of its transfer's (~100 %) hit.
+            params["remote_prefill_cached_tokens"] = pre.cached
         return Outcome(text, n_tokens, reason, stop_reason, pre.cached, params)
+
+
+def _reported_cached(req: GenRequest, external: int) -> int:
+    """The cached tokens a decode that loaded ``external`` tokens of KV reports: the
+    prefill's hit when its handoff carries it (vLLM 0.32's output processor), else the
+    loaded tokens, as vLLM counts them computed before this step."""
+    params = req.kv_transfer_params or {}
+    cached = params.get("remote_prefill_cached_tokens")
+    if params.get("do_remote_prefill") and type(cached) is int:
+        return cached
+    return external
 
 
 def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

@@ -13,10 +13,22 @@ import orjson
 from engines.sim import model
 from engines.sim.errors import ApiError, RequestValidationError
 
-Kind = Literal["completion", "chat"]
+Kind = Literal["completion", "chat", "generate"]
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
-KIND_BY_PATH: dict[str, Kind] = {COMPLETIONS_PATH: "completion", CHAT_PATH: "chat"}
+# vLLM's token-in entrypoint (--enable-scale-out): token ids in, sampling_params as an
+# object, token ids out (output_mode "tokens").
+GENERATE_PATH = "/inference/v1/generate"
+KIND_BY_PATH: dict[str, Kind] = {
+    COMPLETIONS_PATH: "completion",
+    CHAT_PATH: "chat",
+    GENERATE_PATH: "generate",
+}
+_ID_PREFIX: dict[Kind, str] = {
+    "completion": "cmpl",
+    "chat": "chatcmpl",
+    "generate": "generate-tokens",
+}
 
 
 @dataclass
@@ -36,6 +48,29 @@ class GenRequest:
     kv_transfer_params: dict[str, Any] | None
     dp_rank: int | None
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        """Choices to return (vLLM forks one request per choice; the sim's are identical)."""
+        n = self.options.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+    @property
+    def echoed(self) -> str:
+        """The prompt a completion with ``echo`` puts before each choice's text."""
+        prompt = self.body.get("prompt")
+        if self.kind == "completion" and self.body.get("echo") is True and isinstance(prompt, str):
+            return prompt
+        return ""
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Where the sampling options are: a generate body's ``sampling_params``, else the
+        body itself."""
+        if self.kind == "generate":
+            params: dict[str, Any] = self.body["sampling_params"]
+            return params
+        return self.body
 
 
 def parse(
@@ -59,9 +94,9 @@ def parse(
         raise ApiError(404, f"The model `{name}` does not exist.")
     dp_rank = _dp_rank(headers, dp_size)
     tokens = _prompt_tokens(kind, body)
+    options = _sampling_params(body) if kind == "generate" else body
     base = headers.get("x-request-id") or str(body.get("request_id") or uuid.uuid4().hex)
-    prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    resp_id = f"{prefix}-{base}"
+    resp_id = f"{_ID_PREFIX[kind]}-{base}"
     suffix = os.urandom(4).hex()
     internal = f"{resp_id}-0-{suffix}" if kind == "completion" else f"{resp_id}-{suffix}"
     stream = _bool(body, "stream")
@@ -77,10 +112,10 @@ def parse(
         body=body,
         model=served_model,
         prompt_tokens=tokens,
-        max_tokens=_max_tokens(kind, body, len(tokens), max_model_len),
+        max_tokens=_max_tokens(kind, options, len(tokens), max_model_len),
         stream=stream,
         include_usage=stream and bool(opts.get("include_usage")),
-        stop=_stop(body),
+        stop=_stop(options),
         response_id=resp_id,
         internal_id=internal,
         kv_transfer_params=kvp,
@@ -113,7 +148,21 @@ def _dp_rank(headers: dict[str, str], dp_size: int) -> int | None:
     return rank
 
 
+def _sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+    params = body.get("sampling_params")
+    if not isinstance(params, dict):
+        raise RequestValidationError("sampling_params: Field required (an object)")
+    return params
+
+
 def _prompt_tokens(kind: Kind, body: dict[str, Any]) -> list[int]:
+    if kind == "generate":
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+            raise RequestValidationError("token_ids: a non-empty list of integers is required")
+        if any(t < 0 for t in ids):
+            raise RequestValidationError("token_ids must not contain negative values")
+        return list(ids)
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list):

@@ -1,4 +1,5 @@
-"""vLLM's response bodies and SSE chunks for completions and chat."""
+"""vLLM's response bodies and SSE chunks for completions, chat and the token-in generate
+(``output_mode`` "tokens": token ids out, no text)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from engines.sim import model
 from engines.sim.openai_api import GenRequest
 
 DONE = b"data: [DONE]\n\n"
@@ -26,10 +28,11 @@ class Outcome:
 
 def usage(req: GenRequest, out: Outcome) -> dict[str, Any]:
     n = len(req.prompt_tokens)
+    completion = out.completion_tokens * req.n
     return {
         "prompt_tokens": n,
-        "total_tokens": n + out.completion_tokens,
-        "completion_tokens": out.completion_tokens,
+        "total_tokens": n + completion,
+        "completion_tokens": completion,
         "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
     }
 
@@ -44,15 +47,64 @@ _MESSAGE_EXTRAS: dict[str, Any] = {
 }
 
 
+# The None fields of vLLM's GenerateResponseBase and GenerateChoiceBase, in their order.
+_GENERATE_EXTRAS: dict[str, Any] = {
+    "prompt_logprobs": None,
+    "prompt_token_id_logprobs": None,
+    "prompt_token_ids": None,
+    "mm_placeholders": None,
+    "metrics": None,
+}
+_GENERATE_CHOICE_EXTRAS: dict[str, Any] = {
+    "routed_experts": None,
+    "sampling_mask": None,
+    "weight_versions": None,
+}
+
+
+def _generate_choice(text: str, finish: str | None, stop_reason: str | None) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "finish_reason": finish,
+        "stop_reason": stop_reason,
+        "token_ids": model.tokenize(text),
+        **_GENERATE_CHOICE_EXTRAS,
+        "logprobs": None,
+    }
+
+
+def _generate_body(req: GenRequest, out: Outcome) -> bytes:
+    data: dict[str, Any] = {
+        "request_id": req.response_id,
+        "model": req.model,
+        "created": req.created,
+        "usage": usage(req, out),
+        **_GENERATE_EXTRAS,
+        "kv_transfer_params": out.kv_transfer_params,
+        "ec_transfer_params": None,
+        "output_mode": "tokens",
+        "choices": [_generate_choice(out.text, out.finish_reason, out.stop_reason)],
+    }
+    return orjson.dumps(data)
+
+
+def _generate_chunk(req: GenRequest, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+    data = {"request_id": req.response_id, **extra, "output_mode": "tokens", "choices": choices}
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
 def full_body(req: GenRequest, out: Outcome) -> bytes:
     """The non-streaming response."""
+    if req.kind == "generate":
+        return _generate_body(req, out)
     ends: dict[str, Any] = {
         "logprobs": None,
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
     }
     if req.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": out.text, **ends, "prompt_logprobs": None}
+        text = req.echoed + out.text
+        choice: dict[str, Any] = {"index": 0, "text": text, **ends, "prompt_logprobs": None}
         obj = "text_completion"
     else:
         message = {"role": "assistant", "content": out.text, **_MESSAGE_EXTRAS}
@@ -63,7 +115,7 @@ def full_body(req: GenRequest, out: Outcome) -> bytes:
         "object": obj,
         "created": req.created,
         "model": req.model,
-        "choices": [choice],
+        "choices": [{**choice, "index": i} for i in range(req.n)],
         "service_tier": None,
         "system_fingerprint": None,
         "usage": usage(req, out),
@@ -90,7 +142,15 @@ def _chunk(req: GenRequest, choices: list[dict[str, Any]], **extra: Any) -> byte
 def role_chunk(req: GenRequest) -> bytes:
     """Chat's first chunk, announcing the assistant role (completions have none)."""
     delta = {"role": "assistant", "content": ""}
-    return _chunk(req, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+    return _each_choice(req, [choice])
+
+
+def _each_choice(req: GenRequest, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+    """One chunk per choice index, as vLLM streams ``n`` > 1."""
+    return b"".join(
+        _chunk(req, [{**c, "index": i} for c in choices], **extra) for i in range(req.n)
+    )
 
 
 def token_chunk(
@@ -100,7 +160,10 @@ def token_chunk(
     stop_reason: str | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> bytes:
-    """One streamed token; the last one carries finish_reason (and P's kv_transfer_params)."""
+    """One streamed token; the last one carries finish_reason (and P's kv_transfer_params,
+    except on generate, whose stream has no field for them)."""
+    if req.kind == "generate":
+        return _generate_chunk(req, [_generate_choice(text, finish, stop_reason)], usage=None)
     if req.kind == "completion":
         choice: dict[str, Any] = {
             "index": 0,
@@ -114,12 +177,14 @@ def token_chunk(
         if finish is not None:
             choice["stop_reason"] = stop_reason
     if finish is not None and kv_transfer_params is not None:
-        return _chunk(req, [choice], kv_transfer_params=kv_transfer_params)
-    return _chunk(req, [choice])
+        return _each_choice(req, [choice], kv_transfer_params=kv_transfer_params)
+    return _each_choice(req, [choice])
 
 
 def usage_chunk(req: GenRequest, out: Outcome) -> bytes:
     """The final `choices: []` chunk sent when stream_options.include_usage is set."""
+    if req.kind == "generate":
+        return _generate_chunk(req, [], usage=usage(req, out))
     return _chunk(req, [], usage=usage(req, out))
 
 

@@ -23,6 +23,7 @@ from engines.sim.config import Faults, SimConfig
 from engines.sim.engine import Engine
 from engines.sim.http import Connection, ServerState
 from engines.sim.metrics import Counters, Gauges, parse_metrics, render
+from engines.sim.openai_api import GENERATE_PATH
 from engines.sim.records import RequestRecord
 
 log = logging.getLogger("engines.sim")
@@ -280,7 +281,11 @@ class SimHandle:
         return self._server.app.recorder.all()
 
     def generation_requests(self) -> list[RequestRecord]:
-        return [r for r in self.requests if r.method == "POST" and r.path.startswith("/v1/")]
+        return [
+            r
+            for r in self.requests
+            if r.method == "POST" and (r.path.startswith("/v1/") or r.path == GENERATE_PATH)
+        ]
 
     def clear_requests(self) -> None:
         self._server.app.recorder.clear()

@@ -29,7 +29,7 @@ from pdproxy.config import ProxyConfig, RetryConfig
 from pdproxy.connectors import KVConnector, load_connector
 from pdproxy.discovery.zmq import ZmqRegistry
 from pdproxy.engine_client import EngineClient
-from pdproxy.errors import ProxyError
+from pdproxy.errors import ConfigError, ProxyError
 from pdproxy.health import HealthChecker
 from pdproxy.kv_release import KVRelease
 from pdproxy.legs import Legs
@@ -79,6 +79,7 @@ def create_app(
         state.passthrough.start()
         state.membership.add_static()
         await state.health.settle()
+        await state.membership.settle()  # the static instances' warm-ups (--warm-pairs)
         state.health.start()
         state.loads.start()
         state.membership.start()
@@ -236,7 +237,20 @@ def _scheduler(
 ) -> Scheduler:
     # An engine's load figures count for three scrape intervals, then they are ignored.
     max_age = 3 * config.health.engine_metrics_interval
-    scheduler = Scheduler(config.scheduling, clock=clock, rng=rng, max_age=max_age)
+    decode_only = config.scheduling.pd_threshold_tokens or config.scheduling.decode_only_fallback
+    if decode_only and not core.connector.serves_decode_alone:
+        raise ConfigError(
+            f"--pd-threshold-tokens and --decode-only-fallback need decodes that can serve a"
+            f" request alone, which {config.kv_connector}'s cannot (they wait for their"
+            " prefill's KV)"
+        )
+    scheduler = Scheduler(
+        config.scheduling,
+        clock=clock,
+        rng=rng,
+        max_age=max_age,
+        decode_alone=core.connector.serves_decode_alone,
+    )
     core.registry.on_removal(scheduler.forget)
     return scheduler
 

@@ -34,7 +34,7 @@ from pdproxy.exchange import ClientRequest, ProxyResponse
 from pdproxy.lifecycle import Lifecycle
 from pdproxy.relay import SSE_DONE, StreamRelay
 from pdproxy.request_context import RequestTrace, bind, unbind
-from pdproxy.shaping import MESSAGES, MODEL, PROMPT
+from pdproxy.shaping import MESSAGES, MODEL, PROMPT, SAMPLING_PARAMS, TOKEN_IDS, is_token_in
 from pdproxy.types import ApiKind
 
 logger = logging.getLogger(__name__)
@@ -44,11 +44,11 @@ class _ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
-_REQUIRED = {ApiKind.COMPLETIONS: PROMPT, ApiKind.CHAT: MESSAGES}
+_REQUIRED = {ApiKind.COMPLETIONS: PROMPT, ApiKind.CHAT: MESSAGES, ApiKind.GENERATE: TOKEN_IDS}
 
 
 class GenerationEndpoint:
-    """``POST /v1/completions`` or ``/v1/chat/completions``."""
+    """``POST /v1/completions``, ``/v1/chat/completions`` or ``/inference/v1/generate``."""
 
     def __init__(self, kind: ApiKind, state: AppState) -> None:
         self.kind = kind
@@ -284,6 +284,15 @@ def _parse_body(raw: bytes, kind: ApiKind) -> Mapping[str, Any]:
     required = _REQUIRED[kind]
     if required not in body or body[required] in (None, "", []):
         raise BadRequest(f"'{required}' is required", param=required)
+    # The legs are shaped by the body's shape (shaping.body_kind): a body is token-in
+    # shaped exactly when it came on /inference/v1/generate.
+    if kind is ApiKind.GENERATE and not isinstance(body.get(SAMPLING_PARAMS), dict):
+        raise BadRequest(f"'{SAMPLING_PARAMS}' must be an object", param=SAMPLING_PARAMS)
+    if kind is not ApiKind.GENERATE and is_token_in(body):
+        raise BadRequest(
+            f"'{SAMPLING_PARAMS}' with '{TOKEN_IDS}' is for {ApiKind.GENERATE.path}",
+            param=SAMPLING_PARAMS,
+        )
     return body
 
 

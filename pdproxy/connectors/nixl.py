@@ -28,6 +28,7 @@ from pdproxy.shaping import (
     KV_TRANSFER_PARAMS,
     MODEL,
     JSONBody,
+    body_kind,
     decode_body,
     one_token,
     prefill_body,
@@ -95,5 +96,4 @@ class NixlConnector(SerialConnector):
                 KV_TRANSFER_PARAMS: params,
             }
             return ReleaseLeg(ApiKind.COMPLETIONS.path, body, _REJECTED)
-        kind = ApiKind.CHAT if "messages" in original else ApiKind.COMPLETIONS
-        return ReleaseLeg(kind.path, one_token(decode_body(original, params)), 200)
+        return ReleaseLeg(body_kind(original).path, one_token(decode_body(original, params)), 200)

@@ -2,13 +2,29 @@
 session key and, when a prefix index is in use, the prompt's chained block hashes.
 
 The prompt is rendered to a stable text first: a completion's ``prompt`` as given (a
-list of prompts joined, token ids counted one token each); a chat's ``messages`` as
+list of prompts joined, token ids counted one token each, as a token-in request's
+``token_ids`` are); a chat's ``messages`` as
 role and text content in order, so two requests sharing a system prompt and history
 share a prefix. Tools, images and sampling options are not part of it: they change what
 the engine computes after the prefix, rarely the prefix itself.
 
 The size estimate is characters divided by ``chars_per_token`` (4 by default, about
 right for English with a BPE tokenizer), or the exact count for token ids.
+
+Two kinds of request are served by a decode alone, whatever the prompt size, because vLLM
+0.32 cannot split them across a prefill and a decode correctly (``one_leg_reason``):
+
+* ``parallel_sampling`` (``n``, ``best_of`` > 1, ``use_beam_search``): vLLM forks one
+  request per choice (``{i}_{request_id}``, ``ParentRequest.get_child_info``), each with a
+  copy of the same ``kv_transfer_params``. On the prefill each child holds its own blocks but
+  only one child's params come back (the others' blocks wait for the lease); on the decode
+  every child reads the *same* remote request, and the prefill frees it on the first reader's
+  notification (one consumer expected), so the later children read blocks that may already be
+  freed ("Potentially invalid KV blocks for unrecognized request 1_cmpl-…" on the prefill).
+* ``prompt_logprobs`` (or ``echo`` with ``logprobs``/``top_logprobs``, which vLLM turns into
+  prompt logprobs): such a request skips reading any prefix cache, the connector's included
+  (``SamplingParams.skip_reading_prefix_cache``), so the decode recomputes the whole prompt
+  anyway and the prefill's work would be thrown away.
 """
 
 from __future__ import annotations
@@ -51,7 +67,36 @@ def extract(
         tokens=float(tokens),
         session=session,
         blocks=blocks,
+        one_leg=one_leg_reason(body),
     )
+
+
+PARALLEL_SAMPLING = "parallel_sampling"
+PROMPT_LOGPROBS = "prompt_logprobs"
+
+
+def one_leg_reason(body: Mapping[str, Any]) -> str | None:
+    """Why ``body`` must be served by a decode alone (see the module docstring), or None.
+
+    Reads the OpenAI body's fields and, for the token-in ``/inference/v1/generate`` body,
+    its ``sampling_params``.
+    """
+    nested = body.get("sampling_params")
+    fields = {**nested, **body} if isinstance(nested, Mapping) else body
+    if _more_than_one(fields.get("n")) or _more_than_one(fields.get("best_of")):
+        return PARALLEL_SAMPLING
+    if fields.get("use_beam_search") is True:
+        return PARALLEL_SAMPLING
+    if fields.get("prompt_logprobs") is not None:
+        return PROMPT_LOGPROBS
+    logprobs = fields.get("top_logprobs") if "messages" in body else fields.get("logprobs")
+    if fields.get("echo") is True and logprobs not in (None, False):
+        return PROMPT_LOGPROBS
+    return None
+
+
+def _more_than_one(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 1
 
 
 def render_prompt(body: Mapping[str, Any]) -> tuple[str, int | None]:
@@ -59,7 +104,7 @@ def render_prompt(body: Mapping[str, Any]) -> tuple[str, int | None]:
     messages = body.get("messages")
     if isinstance(messages, list):
         return _render_messages(messages), None
-    prompt = body.get("prompt")
+    prompt = body.get("prompt", body.get("token_ids"))  # token_ids: /inference/v1/generate
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, list) and prompt:

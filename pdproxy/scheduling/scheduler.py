@@ -1,5 +1,6 @@
 """The scheduler: runs a policy per role and the decider for one request.
 
+a request vLLM cannot split (``features.one_leg_reason``) → a decode alone;
 prefill candidates → decider (with the best prefix-index hit on a prefill) →
 prefill policy (and a DP rank on it) → decode policy. With no prefill routable the
 request fails with 503, or goes to a decode alone under ``--decode-only-fallback``.
@@ -11,7 +12,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pdproxy.errors import NoEndpointAvailable
+from pdproxy.errors import BadRequest, NoEndpointAvailable
 from pdproxy.scheduling import Decider
 from pdproxy.scheduling.context import Context, RequestFeatures
 from pdproxy.scheduling.deciders import AlwaysDisaggregate, PromptSizeDecider
@@ -35,7 +36,11 @@ class Scheduler:
         clock: Callable[[], float],
         rng: random.Random,
         max_age: float,
+        decode_alone: bool = True,
     ) -> None:
+        # False (P2P-NCCL: a decode always waits for its prefill's KV): a request vLLM
+        # cannot split is refused (400) rather than sent to a decode that would fail it.
+        self._decode_alone = decode_alone
         self.prefill = build_policy(config.prefill_policy, config, rng)
         self.decode = build_policy(config.decode_policy, config, rng)
         self._decider: Decider = (
@@ -59,6 +64,15 @@ class Scheduler:
         if not snapshot.decode:
             raise NoEndpointAvailable("no decode instance is available")
         ctx = Context(features, self._clock(), self._max_age)
+        if features.one_leg is not None:  # vLLM cannot split it across two legs
+            if not self._decode_alone:
+                raise BadRequest(
+                    f"this deployment cannot serve {features.one_leg.replace('_', ' ')}"
+                    " (n or best_of > 1, prompt_logprobs, echo with logprobs): vLLM cannot"
+                    " split it across a prefill and a decode, and its decodes cannot serve"
+                    " a request alone"
+                )
+            return self._decode_only(ctx, snapshot.decode, features.one_leg)
         if not snapshot.prefill:
             if not self.decode_only_fallback:
                 raise NoEndpointAvailable("no prefill instance is available")

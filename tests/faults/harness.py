@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from engines.sim import SimConfig, running_sim
+from engines.sim import SimConfig, model, running_sim
 from pdproxy.config import HealthConfig, OutlierConfig, ProxyConfig, RetryConfig, Timeouts
 from pdproxy.types import EngineAddress
 from tests.servers import RunningProxy, running_proxy
@@ -112,7 +112,19 @@ async def idle(f: Fleet) -> Fleet:
     return f
 
 
-def body(i: int, *, stream: bool, chat: bool, max_tokens: int = 6) -> dict[str, Any]:
+GENERATE = "/inference/v1/generate"
+
+
+def body(
+    i: int, *, stream: bool, chat: bool, max_tokens: int = 6, generate: bool = False
+) -> dict[str, Any]:
+    if generate:  # the token-in path: vLLM's /inference/v1/generate
+        return {
+            "model": MODEL,
+            "token_ids": model.tokenize(f"{PROMPT} {i}"),
+            "sampling_params": {"max_tokens": max_tokens},
+            "stream": stream,
+        }
     if chat:
         return {
             "model": MODEL,
@@ -124,11 +136,19 @@ def body(i: int, *, stream: bool, chat: bool, max_tokens: int = 6) -> dict[str, 
 
 
 async def request(
-    session: aiohttp.ClientSession, url: str, i: int, *, stream: bool, chat: bool = False, **kw
+    session: aiohttp.ClientSession,
+    url: str,
+    i: int,
+    *,
+    stream: bool,
+    chat: bool = False,
+    generate: bool = False,
+    **kw: Any,
 ) -> Outcome:
-    path = "/v1/chat/completions" if chat else "/v1/completions"
+    path = GENERATE if generate else "/v1/chat/completions" if chat else "/v1/completions"
     started = time.monotonic()
-    async with session.post(url + path, json=body(i, stream=stream, chat=chat, **kw)) as r:
+    payload = body(i, stream=stream, chat=chat, generate=generate, **kw)
+    async with session.post(url + path, json=payload) as r:
         raw = await r.read()
         status = r.status
     outcome = Outcome(status, raw, stream, time.monotonic() - started)

@@ -125,6 +125,7 @@ async def test_moriio_p_params_follow_vllm(session):
         "remote_dp_size_local",
         "tp_size",
         "transfer_id",
+        "remote_prefill_cached_tokens",  # added by vLLM's scheduler, for every connector
     }
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_engine_id"] == p.engine_id and params["remote_host"] == "127.0.0.1"

@@ -106,6 +106,20 @@ def test_nixl_releases_through_a_cold_decode_with_a_one_token_read():
     assert leg.body["kv_transfer_params"] == PARAMS
 
 
+def test_nixl_releases_a_token_in_request_through_generate():
+    c = _connector("nixl")
+    original = {
+        "model": "m",
+        "token_ids": [5, 6, 7],
+        "sampling_params": {"max_tokens": 9, "min_tokens": 2},
+        "stream": True,
+    }
+    leg = c.release_leg(original, {"kv_transfer_params": PARAMS}, warm=False)
+    assert leg.path == "/inference/v1/generate" and leg.expect == 200
+    assert leg.body["sampling_params"] == {"max_tokens": 1} and leg.body["stream"] is False
+    assert leg.body["token_ids"] == [5, 6, 7] and leg.body["kv_transfer_params"] == PARAMS
+
+
 @pytest.mark.parametrize("answer", [{}, {"kv_transfer_params": {"remote_block_ids": []}}])
 def test_nothing_to_release_without_blocks(answer):
     assert _connector("nixl").release_leg(CHAT, answer, warm=True) is None

@@ -26,6 +26,8 @@ def test_the_route_table():
     assert set(paths) == {
         "/tokenize",
         "/detokenize",
+        "/v1/completions/render",
+        "/v1/chat/completions/render",
         "/v1/embeddings",
         "/pooling",
         "/score",

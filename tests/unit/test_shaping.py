@@ -93,3 +93,46 @@ def test_leg_headers():
         "Content-Type": "application/json",
         "X-Request-Id": "rid",
     }
+
+
+TOKEN_IN = {
+    "model": "m",
+    "token_ids": [1, 2, 3],
+    "sampling_params": {"max_tokens": 50, "min_tokens": 5, "temperature": 0, "stop": ["x"]},
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "kv_transfer_params": {"remote_host": "evil"},
+}
+
+
+def test_token_in_prefill_is_clamped_in_its_sampling_params():
+    before = copy.deepcopy(TOKEN_IN)
+    body = shaping.prefill_body(TOKEN_IN, {"do_remote_decode": True})
+    assert before == TOKEN_IN
+    assert body["sampling_params"] == {"max_tokens": 1, "temperature": 0, "stop": ["x"]}
+    assert "max_tokens" not in body and "max_completion_tokens" not in body
+    assert body["stream"] is False and "stream_options" not in body
+    assert body["kv_transfer_params"] == {"do_remote_decode": True}
+    assert body["token_ids"] == [1, 2, 3]
+
+
+def test_token_in_decode_is_the_original_with_the_connectors_params():
+    params = {"remote_engine_id": "e", "remote_prefill_cached_tokens": 32}
+    body = shaping.decode_body(TOKEN_IN, params)
+    assert body["kv_transfer_params"] is params  # forwarded untouched: usage stays true
+    assert body["sampling_params"] == TOKEN_IN["sampling_params"]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [
+        (TOKEN_IN, shaping.ApiKind.GENERATE),
+        ({"model": "m", "messages": []}, shaping.ApiKind.CHAT),
+        ({"model": "m", "prompt": "p"}, shaping.ApiKind.COMPLETIONS),
+        # token ids without a sampling_params object are not a generate body
+        ({"model": "m", "token_ids": [1], "sampling_params": None}, shaping.ApiKind.COMPLETIONS),
+    ],
+)
+def test_body_kind(body, kind):
+    assert shaping.body_kind(body) is kind

@@ -1,4 +1,14 @@
-from pdproxy.scheduling.features import FeatureConfig, block_hashes, extract, render_prompt
+import pytest
+
+from pdproxy.scheduling.features import (
+    PARALLEL_SAMPLING,
+    PROMPT_LOGPROBS,
+    FeatureConfig,
+    block_hashes,
+    extract,
+    one_leg_reason,
+    render_prompt,
+)
 
 CONFIG = FeatureConfig(chars_per_token=4.0, block_chars=8)
 
@@ -46,3 +56,26 @@ def test_garbage_bodies_give_empty_features():
     for body in ({}, {"prompt": 5}, {"messages": "x"}, {"messages": [1, None]}, {"prompt": []}):
         f = extract(body, None, CONFIG, want_blocks=True)
         assert f.tokens == 0 and f.blocks == ()
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"prompt": "p"}, None),
+        ({"prompt": "p", "n": 1, "best_of": 1, "logprobs": 2, "echo": True}, PROMPT_LOGPROBS),
+        ({"prompt": "p", "n": 2}, PARALLEL_SAMPLING),
+        ({"prompt": "p", "best_of": 3}, PARALLEL_SAMPLING),
+        ({"prompt": "p", "use_beam_search": True}, PARALLEL_SAMPLING),
+        ({"prompt": "p", "n": True}, None),  # not a count
+        ({"prompt": "p", "prompt_logprobs": 0}, PROMPT_LOGPROBS),
+        ({"prompt": "p", "echo": True}, None),
+        ({"prompt": "p", "logprobs": 3}, None),
+        ({"messages": [], "echo": True, "logprobs": True}, None),  # chat: top_logprobs counts
+        ({"messages": [], "echo": True, "top_logprobs": 2}, PROMPT_LOGPROBS),
+        ({"prompt_token_ids": [1], "sampling_params": {"n": 2}}, PARALLEL_SAMPLING),
+        ({"prompt_token_ids": [1], "sampling_params": {"prompt_logprobs": 1}}, PROMPT_LOGPROBS),
+    ],
+)
+def test_requests_vllm_cannot_split_across_two_legs(body, reason):
+    assert one_leg_reason(body) == reason
+    assert extract(body, None, CONFIG, want_blocks=False).one_leg == reason

@@ -76,3 +76,20 @@ def test_forget_drops_a_departed_instance_from_the_indexes():
     assert s.prefill.index is not None and s.prefill.index.instances() == ["http://p0:1"]
     s.forget("http://p0:1")
     assert s.prefill.index.instances() == []
+
+
+@pytest.mark.parametrize("prefills", [0, 2])
+def test_a_request_vllm_cannot_split_goes_to_a_decode_alone(prefills):
+    """Even with no prefill and no fallback: it never needed one."""
+    features = RequestFeatures(tokens=5000, one_leg="parallel_sampling")
+    decision = scheduler().schedule(features, fleet(prefills, 2))
+    assert isinstance(decision, DecodeOnly) and decision.reason == "parallel_sampling"
+
+
+def test_a_request_vllm_cannot_split_is_400_where_no_decode_may_serve_alone():
+    from pdproxy.errors import BadRequest
+
+    s = scheduler()
+    s._decode_alone = False
+    with pytest.raises(BadRequest, match="cannot serve parallel sampling"):
+        s.schedule(RequestFeatures(one_leg="parallel_sampling"), fleet(2, 2))
