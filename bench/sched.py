@@ -50,16 +50,8 @@ from bench.sched_fleet import Shape, SimFleet, proxy, proxy_help, sim_fleet
 from bench.sched_report import chart, kind_table, table, write_json
 from bench.sched_stats import DECODE_ONLY, Answer, Observed, RunResult, cache_totals, summarize
 from bench.sched_workloads import QUICK, Sizes, bursty, chat_sessions, heterogeneous
+from pdproxy.scheduling_config import POLICIES
 
-POLICIES = (
-    "round-robin",
-    "random",
-    "least-loaded",
-    "power-of-two",
-    "consistent-hash",
-    "prefix-affinity",
-    "kv-aware",
-)
 QUICK_POLICIES = ("round-robin", "least-loaded", "prefix-affinity")
 BASELINE = "round-robin"  # pdproxy before issue 10; the fixed role's policy by default
 FAST_US, SLOW_US = 1000.0, 4000.0  # prefill cost per uncached token, in microseconds

@@ -47,25 +47,34 @@ class _ClientGone(Exception):
 _REQUIRED = {ApiKind.COMPLETIONS: PROMPT, ApiKind.CHAT: MESSAGES, ApiKind.GENERATE: TOKEN_IDS}
 
 
-class GenerationEndpoint:
-    """``POST /v1/completions``, ``/v1/chat/completions`` or ``/inference/v1/generate``."""
+Answer = Callable[[], Awaitable[ProxyResponse]]
 
-    def __init__(self, kind: ApiKind, state: AppState) -> None:
-        self.kind = kind
+
+class ServedEndpoint:
+    """What every proxied endpoint does around its answer: the in-flight count, the
+    request's trace and log context, the key and drain checks, admission, disconnects,
+    the OpenAI-shaped error, and the request's end (metrics, span, access line)."""
+
+    path: str
+
+    def __init__(self, state: AppState) -> None:
         self._state = state
         self._finish = RequestFinisher(state.metrics, access_log=state.config.access_log)
+
+    async def answer(self, headers: dict[str, str], receive: Receive) -> Answer:
+        """Read the request; return what produces its response."""
+        raise NotImplementedError
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self._state
         state.in_flight += 1
         headers = _headers(scope)
-        path = self.kind.value
+        path = self.path
         trace = RequestTrace(path, state.tracer.start_request(path, headers))
         token = bind(trace)  # the request's log lines carry its id from here on
         try:
             _admit(state, headers)
-            request = await self._read_request(headers, receive, state)
-            answer = functools.partial(state.orchestrator.handle, request)
+            answer = await self.answer(headers, receive)
             trace.outcome = await _serve(state, answer, receive, send, trace)
         except ProxyError as error:
             trace.outcome = _outcome(error)
@@ -76,6 +85,19 @@ class GenerationEndpoint:
             state.in_flight -= 1
             self._finish(trace)
             unbind(token)
+
+
+class GenerationEndpoint(ServedEndpoint):
+    """``POST /v1/completions``, ``/v1/chat/completions`` or ``/inference/v1/generate``."""
+
+    def __init__(self, kind: ApiKind, state: AppState) -> None:
+        super().__init__(state)
+        self.kind = kind
+        self.path = kind.value
+
+    async def answer(self, headers: dict[str, str], receive: Receive) -> Answer:
+        request = await self._read_request(headers, receive, self._state)
+        return functools.partial(self._state.orchestrator.handle, request)
 
     async def _read_request(
         self, headers: dict[str, str], receive: Receive, state: AppState

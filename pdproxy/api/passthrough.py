@@ -13,55 +13,27 @@ from __future__ import annotations
 import functools
 
 import orjson
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive
 
-from pdproxy.api.access import RequestFinisher
 from pdproxy.api.errors import JSON
-from pdproxy.api.openai import (
-    _admit,
-    _ClientGone,
-    _headers,
-    _outcome,
-    _read_body,
-    _send_error,
-    _serve,
-)
+from pdproxy.api.openai import Answer, ServedEndpoint, _read_body
 from pdproxy.api.state import AppState
-from pdproxy.errors import BadRequest, PayloadTooLarge, ProxyError, UnsupportedMediaType
+from pdproxy.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from pdproxy.passthrough import PassthroughRequest
-from pdproxy.request_context import RequestTrace, bind, unbind
 from pdproxy.routes import PassthroughRoute
 
 
-class PassthroughEndpoint:
+class PassthroughEndpoint(ServedEndpoint):
     """``POST /tokenize``, ``GET /version``, ... : one route of ``routes.ROUTES``."""
 
     def __init__(self, route: PassthroughRoute, state: AppState) -> None:
+        super().__init__(state)
         self.route = route
-        self._state = state
-        self._finish = RequestFinisher(state.metrics, access_log=state.config.access_log)
+        self.path = route.path
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = self._state
-        state.in_flight += 1
-        headers = _headers(scope)
-        path = self.route.path
-        trace = RequestTrace(path, state.tracer.start_request(path, headers))
-        token = bind(trace)  # the request's log lines carry its id from here on
-        try:
-            _admit(state, headers)
-            request = await self._read_request(headers, receive)
-            answer = functools.partial(state.passthrough.handle, request)
-            trace.outcome = await _serve(state, answer, receive, send, trace)
-        except ProxyError as error:
-            trace.outcome = _outcome(error)
-            await _send_error(send, error, trace)
-        except _ClientGone:
-            trace.outcome = "client_disconnected"
-        finally:
-            state.in_flight -= 1
-            self._finish(trace)
-            unbind(token)
+    async def answer(self, headers: dict[str, str], receive: Receive) -> Answer:
+        request = await self._read_request(headers, receive)
+        return functools.partial(self._state.passthrough.handle, request)
 
     async def _read_request(self, headers: dict[str, str], receive: Receive) -> PassthroughRequest:
         state = self._state
