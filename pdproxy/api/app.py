@@ -67,44 +67,15 @@ def create_app(
         else None
     )
     dashboard = Dashboard(state, clock) if config.dashboard else None
+    services = _Services(state, registry, dashboard)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Startup: open the upstream pools, admit the static instances, start the sweeper
-        # and the registry socket, in that order, before the first request can arrive.
-        # The static instances' first health probes are awaited, so the proxy starts with
-        # a known fleet rather than routing to an instance that never answered.
-        await state.client.start()
-        state.orchestrator.start()
-        state.passthrough.start()
-        state.membership.add_static()
-        await state.health.settle()
-        await state.membership.settle()  # the static instances' warm-ups (--warm-pairs)
-        state.health.start()
-        state.loads.start()
-        state.membership.start()
-        if registry is not None:
-            registry.start()
-        if dashboard is not None:
-            dashboard.start()
+        await services.start()
         try:
             yield
         finally:
-            # Shutdown: uvicorn has stopped accepting and drained connections. Stop
-            # discovery, health checks and load scrapes, cancel background prefill legs
-            # and KV releases, then close the pools.
-            if dashboard is not None:
-                await dashboard.aclose()
-            if registry is not None:
-                await registry.aclose()
-            await state.health.aclose()
-            await state.loads.aclose()
-            await state.membership.aclose()
-            await state.release.aclose()
-            await state.orchestrator.aclose()
-            await state.passthrough.aclose()
-            await state.client.aclose()
-            await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
+            await services.aclose()
 
     generation = {kind.path: GenerationEndpoint(kind, state) for kind in ApiKind}
     passthrough = {r.path: PassthroughEndpoint(r, state) for r in ROUTES}
@@ -115,8 +86,18 @@ def create_app(
     app = _ProxyApp(hot_paths, title="pdproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.pdproxy = state
     app.state.zmq_registry = registry
+    _mount(app, generation, passthrough, dashboard)
+    return app
+
+
+def _mount(
+    app: FastAPI,
+    generation: dict[str, GenerationEndpoint],
+    passthrough: dict[str, PassthroughEndpoint],
+    dashboard: Dashboard | None,
+) -> None:
+    # The hot paths are also routed normally, so the OpenAPI schema and 405s stay right.
     for path, endpoint in generation.items():
-        # Also routed normally, so the OpenAPI schema and 405s stay right.
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     for path, passthrough_endpoint in passthrough.items():
         app.router.routes.append(
@@ -127,7 +108,56 @@ def create_app(
     if dashboard is not None:
         dashboard.mount(app)
     app.add_exception_handler(ProxyError, _proxy_error)
-    return app
+
+
+class _Services:
+    """The parts that run beside the requests, started before the first one arrives and
+    stopped, in reverse, after the last."""
+
+    def __init__(
+        self, state: AppState, registry: ZmqRegistry | None, dashboard: Dashboard | None
+    ) -> None:
+        self._state = state
+        self._registry = registry
+        self._dashboard = dashboard
+
+    async def start(self) -> None:
+        # Open the upstream pools, admit the static instances, start the sweeper and the
+        # registry socket, in that order, before the first request can arrive. The static
+        # instances' first health probes (and warm-ups) are awaited, so the proxy starts
+        # with a known fleet rather than routing to an instance that never answered.
+        state = self._state
+        await state.client.start()
+        state.orchestrator.start()
+        state.passthrough.start()
+        state.membership.add_static()
+        await state.health.settle()
+        await state.membership.settle()  # the static instances' warm-ups (--warm-pairs)
+        state.health.start()
+        state.loads.start()
+        state.membership.start()
+        if self._registry is not None:
+            self._registry.start()
+        if self._dashboard is not None:
+            self._dashboard.start()
+
+    async def aclose(self) -> None:
+        # uvicorn has stopped accepting and drained connections. Stop discovery, health
+        # checks and load scrapes, cancel background prefill legs and KV releases, then
+        # close the pools.
+        state = self._state
+        if self._dashboard is not None:
+            await self._dashboard.aclose()
+        if self._registry is not None:
+            await self._registry.aclose()
+        await state.health.aclose()
+        await state.loads.aclose()
+        await state.membership.aclose()
+        await state.release.aclose()
+        await state.orchestrator.aclose()
+        await state.passthrough.aclose()
+        await state.client.aclose()
+        await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
 
 
 @dataclass(frozen=True, slots=True)
