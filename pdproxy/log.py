@@ -12,14 +12,13 @@ Structured fields ride on a record as ``extra={"fields": {...}}`` (the access li
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any
-
-import orjson
 
 from pdproxy.request_context import current_request_id
 
@@ -81,7 +80,7 @@ class JsonFormatter(logging.Formatter):
             line["exc_info"] = record.exc_text
         if record.stack_info:
             line["stack_info"] = self.formatStack(record.stack_info)
-        return orjson.dumps(line, default=str).decode()
+        return json.dumps(line, default=str, separators=(",", ":"))
 
 
 # --log-format name -> formatter (names in pdproxy.config.LOG_FORMATS)
@@ -131,7 +130,7 @@ class AccessHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 "request_id": request_id,
                 **fields,
             }
-            return orjson.dumps(line, default=str).decode() + "\n"
+            return json.dumps(line, default=str, separators=(",", ":")) + "\n"
         pairs = "".join(
             [
                 f" {k}={'-' if v is None else 'true' if v is True else 'false' if v is False else v}"  # noqa: E501
