@@ -12,7 +12,10 @@ import aiohttp
 import orjson
 import pytest
 
+from pdproxy.scheduling_config import SchedulingConfig
 from tests.faults.harness import MODEL, TIMEOUTS, assert_settled, fleet
+
+ROUND_ROBIN_DECODES = SchedulingConfig(decode_policy="round-robin")
 
 pytestmark = pytest.mark.faults
 
@@ -93,7 +96,8 @@ async def test_engine_hung_mid_stream_ends_with_one_error_event_in_time():
     ],
 )
 async def test_a_decode_failing_before_the_first_byte_is_retried(fault, reason):
-    async with fleet() as f:
+    # Round robin, so the failing decode is certainly picked within the 4 requests.
+    async with fleet(proxy={"scheduling": ROUND_ROBIN_DECODES}) as f:
         f.decodes[0].set_faults(**fault)
         async with aiohttp.ClientSession() as s:
             for i in range(4):
