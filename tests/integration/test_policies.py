@@ -153,8 +153,11 @@ async def test_consistent_hash_keeps_sessions_and_moves_few_when_a_decode_leaves
         after = await place()
         assert all(len(urls) == 1 for urls in after.values())
         moved = [sid for sid in sessions if before[sid] != after[sid]]
-        assert all(before[sid] == {d[3].url} for sid in moved)
-        assert len(moved) / len(sessions) <= 0.30
+        # Exactly the leaving decode's sessions move, no other. (Its share of the keys is
+        # the ring's: ~1/4, and <= 30 % for 2,000 keys in tests/unit/scheduling; with 40
+        # keys on random ports it varies run to run.)
+        assert moved == [sid for sid in sessions if before[sid] == {d[3].url}]
+        assert len(moved) < len(sessions) / 2
 
 
 async def test_consistent_hash_takes_the_user_field_without_a_header():

@@ -47,3 +47,14 @@ def test_rings_are_cached_per_instance_set():
     a = rings.owner("k", EPS)
     assert rings.owner("k", list(EPS)) is a  # same instances, another sequence
     assert rings.owner("k", EPS[:1]) is EPS[0]
+
+
+def test_whichever_the_ports_one_of_four_leaving_moves_at_most_30_percent():
+    import random
+
+    rng = random.Random(5)
+    for _ in range(25):
+        eps = tuple(endpoint(f"http://127.0.0.1:{rng.randrange(1024, 65536)}") for _ in range(4))
+        before, after = HashRing(eps), HashRing(eps[:3])
+        moved = sum(before.owner(s) is not after.owner(s) for s in SESSIONS)
+        assert moved / len(SESSIONS) <= 0.30
