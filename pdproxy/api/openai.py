@@ -87,6 +87,18 @@ class ServedEndpoint:
             unbind(token)
 
 
+async def read_json_body(headers: dict[str, str], receive: Receive, limit: int) -> bytes:
+    """A JSON request's body, read once with a cap: 415 for another content type, 413 past
+    ``limit`` (declared or read)."""
+    content_type = headers.get("content-type", "")
+    if content_type.split(";", 1)[0].strip().lower() != JSON:
+        raise UnsupportedMediaType("Content-Type must be application/json")
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    return await _read_body(receive, limit)
+
+
 class GenerationEndpoint(ServedEndpoint):
     """``POST /v1/completions``, ``/v1/chat/completions`` or ``/inference/v1/generate``."""
 
@@ -102,14 +114,8 @@ class GenerationEndpoint(ServedEndpoint):
     async def _read_request(
         self, headers: dict[str, str], receive: Receive, state: AppState
     ) -> ClientRequest:
-        limit = state.config.max_body_bytes
-        content_type = headers.get("content-type", "")
-        if content_type.split(";", 1)[0].strip().lower() != JSON:
-            raise UnsupportedMediaType("Content-Type must be application/json")
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        body = _parse_body(await _read_body(receive, limit), self.kind)
+        raw = await read_json_body(headers, receive, state.config.max_body_bytes)
+        body = _parse_body(raw, self.kind)
         # With an engine key the client's own never reaches an engine; else it passes through.
         upstream_auth = state.engine_authorization or headers.get("authorization")
         session = headers.get(state.config.scheduling.session_header)

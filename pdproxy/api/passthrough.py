@@ -15,10 +15,9 @@ import functools
 import orjson
 from starlette.types import Receive
 
-from pdproxy.api.errors import JSON
-from pdproxy.api.openai import Answer, ServedEndpoint, _read_body
+from pdproxy.api.openai import Answer, ServedEndpoint, read_json_body
 from pdproxy.api.state import AppState
-from pdproxy.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from pdproxy.errors import BadRequest
 from pdproxy.passthrough import PassthroughRequest
 from pdproxy.routes import PassthroughRoute
 
@@ -43,14 +42,7 @@ class PassthroughEndpoint(ServedEndpoint):
         request_id = headers.get("x-request-id")
         if self.route.method == "GET":
             return PassthroughRequest(self.route, None, b"", request_id, upstream_auth, session)
-        limit = state.config.max_body_bytes
-        content_type = headers.get("content-type", "")
-        if content_type.split(";", 1)[0].strip().lower() != JSON:
-            raise UnsupportedMediaType("Content-Type must be application/json")
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        raw = await _read_body(receive, limit)
+        raw = await read_json_body(headers, receive, state.config.max_body_bytes)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
