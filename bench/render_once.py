@@ -7,7 +7,7 @@ token and a fresh ``cache_salt`` (every prefill cold). Reported per prompt size 
 endpoint: the time to first token's median (the client's first content chunk), and each
 proxy's CPU per request (its process' user + system time over the run).
 
-    .venv/bin/python -m bench.render_once [--requests 10] [--sizes 20,2000]
+    make bench-render-once RENDER_ONCE_ARGS="--requests 10 --sizes 20,2000"
 
 Needs the real-engine venv and model (``make engines-venv engines-smollm2``); it starts
 and stops the engines itself, or uses a running pair (``--prefill URL --decode URL``).
@@ -121,7 +121,10 @@ def proxies(prefill: str, decode: str, run_dir: Path) -> Iterator[tuple[dict, di
     with contextlib.ExitStack() as stack:
         pids = {}
         for v in VARIANTS:
-            argv = proxy_args(ports[v], prefill, decode, "--no-access-log", *extra[v])
+            # no health checks or load scrapes: their CPU would count against the requests
+            quiet = ("--no-access-log", "--health-check-interval-secs", "0")
+            quiet += ("--engine-metrics-interval-secs", "0")
+            argv = proxy_args(ports[v], prefill, decode, *quiet, *extra[v])
             proc = stack.enter_context(process(argv, str(run_dir / f"pdproxy-{v}.log")))
             pids[v] = proc.pid
         urls = {v: f"http://127.0.0.1:{ports[v]}" for v in VARIANTS}

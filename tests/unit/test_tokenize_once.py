@@ -181,3 +181,20 @@ def test_a_stream_without_usage_stamps_the_fingerprint_on_the_last_token_and_err
 def test_response_id():
     assert response_id(CHAT, "generate-tokens-x1") == "chatcmpl-x1"
     assert response_id(COMPLETIONS, "other") == "cmpl-other"
+
+
+def test_render_servers_need_render_once_and_decodes_that_answer_alone():
+    from pdproxy.api.app import create_app
+    from pdproxy.config import ProxyConfig
+    from pdproxy.errors import ConfigError
+    from pdproxy.types import EngineAddress
+
+    pair = {
+        "prefill": (EngineAddress(url="http://127.0.0.1:1"),),
+        "decode": (EngineAddress(url="http://127.0.0.1:2"),),
+    }
+    with pytest.raises(ConfigError, match="--render needs --render-once"):
+        ProxyConfig(**pair, render=(EngineAddress(url="http://127.0.0.1:3"),))
+    with pytest.raises(ConfigError, match="--render-once needs decodes"):
+        create_app(ProxyConfig(**pair, kv_connector="p2p-nccl", render_once=True))
+    assert create_app(ProxyConfig(**pair, render_once=True)).state.pdproxy.render_once
