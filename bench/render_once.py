@@ -71,8 +71,11 @@ def body(path: str, text: str) -> dict[str, Any]:
     return out
 
 
-async def ttft(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -> float:
-    """Seconds to the first chunk with content (chat's role chunk comes with it)."""
+async def ttft(
+    session: aiohttp.ClientSession, url: str, payload: dict[str, Any], tokens: list[int]
+) -> float:
+    """Seconds to the first chunk with content (chat's role chunk comes with it); the
+    prompt's size in tokens goes into ``tokens``."""
     started = time.perf_counter()
     async with session.post(url, json=payload) as r:
         assert r.status == 200, await r.text()
@@ -80,6 +83,8 @@ async def ttft(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
         async for line in r.content:
             if first is None and line.startswith(b"data: {") and b'"choices":[{' in line:
                 first = time.perf_counter() - started
+            if line.startswith(b"data: {") and b'"usage":{' in line:
+                tokens.append(json.loads(line[6:])["usage"]["prompt_tokens"])
         assert first is not None
         return first
 
@@ -91,13 +96,15 @@ async def measure(urls: dict[str, str], pids: dict[str, int], args: argparse.Nam
             for path in (COMPLETIONS, CHAT):
                 text = prompt(size)
                 times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                tokens: list[int] = []
                 for v in VARIANTS:  # warm-up: the fingerprint probe, pools, compile paths
-                    await ttft(session, urls[v] + path, body(path, text))
+                    await ttft(session, urls[v] + path, body(path, text), tokens)
                 cpu_before = {v: cpu_seconds(pids[v]) for v in VARIANTS}
                 for i in range(args.requests):
                     order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
                     for v in order:
-                        times[v].append(await ttft(session, urls[v] + path, body(path, text)))
+                        payload = body(path, text)
+                        times[v].append(await ttft(session, urls[v] + path, payload, tokens))
                 cpu = {
                     v: (cpu_seconds(pids[v]) - cpu_before[v]) / args.requests * 1000
                     for v in VARIANTS
@@ -105,6 +112,7 @@ async def measure(urls: dict[str, str], pids: dict[str, int], args: argparse.Nam
                 rows.append(
                     {
                         "prompt_words": size,
+                        "prompt_tokens": statistics.median(tokens),
                         "endpoint": path,
                         **{f"ttft_ms_{v}": statistics.median(times[v]) * 1000 for v in VARIANTS},
                         **{f"proxy_cpu_ms_{v}": cpu[v] for v in VARIANTS},
@@ -122,8 +130,8 @@ def proxies(prefill: str, decode: str, run_dir: Path) -> Iterator[tuple[dict, di
         pids = {}
         for v in VARIANTS:
             # no health checks or load scrapes: their CPU would count against the requests
-            quiet = ("--no-access-log", "--health-check-interval-secs", "0")
-            quiet += ("--engine-metrics-interval-secs", "0")
+            quiet = ["--no-access-log", "--health-check-interval-secs", "0"]
+            quiet += ["--engine-metrics-interval-secs", "0"]
             argv = proxy_args(ports[v], prefill, decode, *quiet, *extra[v])
             proc = stack.enter_context(process(argv, str(run_dir / f"pdproxy-{v}.log")))
             pids[v] = proc.pid
@@ -142,7 +150,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         text, once = r["ttft_ms_text"], r["ttft_ms_render-once"]
         lines.append(
-            f"| {r['prompt_words']} words | `{r['endpoint']}` | {text:.1f} ms | {once:.1f} ms"
+            f"| {r['prompt_tokens']:.0f} tokens | `{r['endpoint']}` | {text:.1f} ms | {once:.1f} ms"
             f" | {once - text:+.1f} ms | {r['proxy_cpu_ms_text']:.2f} ms"
             f" | {r['proxy_cpu_ms_render-once']:.2f} ms |"
         )

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -28,6 +30,7 @@ from pdproxy.exchange import ClientRequest, ProxyResponse
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
 from pdproxy.passthrough import Passthrough, PassthroughRequest
+from pdproxy.registry import EndpointRegistry
 from pdproxy.request_context import current
 from pdproxy.routes import PassthroughRoute
 from pdproxy.shaping import MODEL, STREAM_OPTIONS, is_streaming, leg_headers
@@ -48,21 +51,38 @@ RENDERED = "rendered"
 _ROUTES = {kind: PassthroughRoute(path) for kind, path in RENDER_PATHS.items()}
 _PROBE_TIMEOUT = 10.0
 _MAX_FINGERPRINTS = 4096
+_PROBE_AGAIN_SECS = 30.0
 
 
 class Fingerprints:
     """Each decode's ``system_fingerprint`` (vLLM's, from its config: version, parallelism,
-    config hash), asked once per decode URL with a one-token completion and kept; a probe
-    that fails is asked again next time, and the answer's fingerprint is ``null``."""
+    config hash), asked once per decode URL with a one-token completion and kept. The
+    decodes are asked before a request's legs are sent, so the probe never shares a batch
+    with the request it serves; a probe that failed is asked again after a while, and until
+    then the answers' fingerprint is ``null``."""
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, clock: Callable[[], float]) -> None:
         self._client = client
+        self._clock = clock
         self._known: dict[str, str | None] = {}
+        self._failed: dict[str, float] = {}  # url -> when to ask again (monotonic)
         self._asking: dict[str, asyncio.Future[str | None]] = {}
 
+    def known(self, url: str) -> bool:
+        return url in self._known or self._failed.get(url, 0.0) > self._clock()
+
+    def get(self, url: str) -> str | None:
+        return self._known.get(url)
+
+    async def learn(self, urls: Iterable[str], model: str, authorization: str | None) -> None:
+        """Ask every decode in ``urls`` not known yet, at once."""
+        unknown = [url for url in urls if not self.known(url)]
+        if unknown:
+            await asyncio.gather(*(self.of(url, model, authorization) for url in unknown))
+
     async def of(self, url: str, model: str, authorization: str | None) -> str | None:
-        if url in self._known:
-            return self._known[url]
+        if self.known(url):
+            return self._known.get(url)
         asking = self._asking.get(url)
         if asking is None:
             asking = asyncio.ensure_future(self._ask(url, model, authorization))
@@ -81,16 +101,17 @@ class Fingerprints:
                 leg="decode",
                 within=_PROBE_TIMEOUT,
             )
-            answer = orjson.loads(data) if upstream.status < 300 else None
+            answer = orjson.loads(data) if upstream.status < 300 else upstream.status
         except (ProxyError, orjson.JSONDecodeError) as error:
-            logger.warning("no system_fingerprint from %s: %s", url, error)
-            return None
+            answer = error
         if not isinstance(answer, dict):
-            logger.warning("no system_fingerprint from %s: HTTP %d", url, upstream.status)
+            logger.warning("no system_fingerprint from %s: %s", url, answer)
+            self._failed[url] = self._clock() + _PROBE_AGAIN_SECS
             return None
         fingerprint = answer.get("system_fingerprint")
         if len(self._known) >= _MAX_FINGERPRINTS:
             self._known.clear()
+        self._failed.pop(url, None)
         self._known[url] = fingerprint if isinstance(fingerprint, str) else None
         return self._known[url]
 
@@ -101,12 +122,15 @@ class RenderOnce:
         *,
         orchestrator: Orchestrator,
         render: Passthrough,
+        registry: EndpointRegistry,
         client: EngineClient,
         metrics: ProxyMetrics,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._orchestrator = orchestrator
         self._render = render
-        self._fingerprints = Fingerprints(client)
+        self._registry = registry
+        self._fingerprints = Fingerprints(client, clock)
         self._metrics = metrics
 
     def start(self) -> None:
@@ -126,6 +150,8 @@ class RenderOnce:
         if reason is not None:
             return await self._text_path(request, reason)
         self._metrics.render_once.labels(RENDERED).inc()
+        decodes = (e.url for e in self._registry.snapshot().decode)
+        await self._fingerprints.learn(decodes, str(request.body.get(MODEL)), request.authorization)
         generate = ClientRequest(
             ApiKind.GENERATE,
             generate_body(request.body, rendered),

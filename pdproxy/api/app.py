@@ -216,7 +216,7 @@ def _build_state(
     passthrough = _passthrough(config, core, scheduler, budget, rng)
     state = _app_state(config, core, orchestrator, passthrough, membership, health, release, clock)
     if config.render_once:
-        state.render_once = _render_once(config, core, orchestrator, scheduler, budget, rng)
+        state.render_once = _render_once(config, core, orchestrator, scheduler, budget, rng, clock)
     return state
 
 
@@ -277,6 +277,7 @@ def _render_once(
     scheduler: Scheduler,
     budget: RetryBudget,
     rng: random.Random,
+    clock: Callable[[], float],
 ) -> RenderOnce:
     """--render-once: renders on the --render servers (picked, retried and ejected like
     decodes, among themselves), else on the decodes."""
@@ -303,7 +304,12 @@ def _render_once(
         pool=pool,
     )
     return RenderOnce(
-        orchestrator=orchestrator, render=render, client=core.client, metrics=core.metrics
+        orchestrator=orchestrator,
+        render=render,
+        registry=core.registry,
+        client=core.client,
+        metrics=core.metrics,
+        clock=clock,
     )
 
 

@@ -109,7 +109,7 @@ async def test_render_once_answers_the_text_paths_bytes(pair, path, stream, usag
         )
     assert rendered == 1
     assert external_tokens(pair) > moved_before  # the decode read P's KV
-    assert _CREATED.sub(b"", got) == _CREATED.sub(b"", expected)
+    assert _CREATED.sub(b"", got).split(b"\n") == _CREATED.sub(b"", expected).split(b"\n")
     assert b"Paris" in got
 
 
