@@ -89,7 +89,22 @@ async def ttft(
         return first
 
 
-async def measure(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace) -> list:
+async def render_ms(session: aiohttp.ClientSession, decode: str, path: str, text: str) -> float:
+    """The median time of the render call alone on the decode (tokenizer and template)."""
+    times = []
+    for _ in range(5):
+        payload = {k: v for k, v in body(path, text).items() if k != "stream_options"}
+        started = time.perf_counter()
+        async with session.post(f"{decode}{path}/render", json=payload) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+async def measure(
+    urls: dict[str, str], pids: dict[str, int], decode: str, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     rows = []
     async with aiohttp.ClientSession() as session:
         for size in args.sizes:
@@ -109,8 +124,10 @@ async def measure(urls: dict[str, str], pids: dict[str, int], args: argparse.Nam
                     v: (cpu_seconds(pids[v]) - cpu_before[v]) / args.requests * 1000
                     for v in VARIANTS
                 }
+                rendering = await render_ms(session, decode, path, text)
                 rows.append(
                     {
+                        "render_call_ms": rendering,
                         "prompt_words": size,
                         "prompt_tokens": statistics.median(tokens),
                         "endpoint": path,
@@ -123,7 +140,9 @@ async def measure(urls: dict[str, str], pids: dict[str, int], args: argparse.Nam
 
 
 @contextlib.contextmanager
-def proxies(prefill: str, decode: str, run_dir: Path) -> Iterator[tuple[dict, dict]]:
+def proxies(
+    prefill: str, decode: str, run_dir: Path
+) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
     ports = {v: free_port() for v in VARIANTS}
     extra = {"text": (), "render-once": ("--render-once",)}
     with contextlib.ExitStack() as stack:
@@ -144,15 +163,15 @@ def proxies(prefill: str, decode: str, run_dir: Path) -> Iterator[tuple[dict, di
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| prompt | endpoint | TTFT text | TTFT render-once | difference"
-        " | proxy CPU/request text | render-once |",
-        "|---|---|---|---|---|---|---|",
+        " | proxy CPU/request text | render-once | render call alone |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         text, once = r["ttft_ms_text"], r["ttft_ms_render-once"]
         lines.append(
             f"| {r['prompt_tokens']:.0f} tokens | `{r['endpoint']}` | {text:.1f} ms | {once:.1f} ms"
             f" | {once - text:+.1f} ms | {r['proxy_cpu_ms_text']:.2f} ms"
-            f" | {r['proxy_cpu_ms_render-once']:.2f} ms |"
+            f" | {r['proxy_cpu_ms_render-once']:.2f} ms | {r['render_call_ms']:.1f} ms |"
         )
     return "\n".join(lines)
 
@@ -176,7 +195,7 @@ def main() -> None:
             prefill, decode = pair.prefill_url, pair.decode_url
         run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         urls, pids = stack.enter_context(proxies(prefill, decode, run_dir))
-        rows = asyncio.run(measure(urls, pids, args))
+        rows = asyncio.run(measure(urls, pids, decode, args))
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
