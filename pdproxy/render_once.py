@@ -15,6 +15,7 @@ learned once per decode from a one-token completion (``Fingerprints``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -52,6 +53,7 @@ _ROUTES = {kind: PassthroughRoute(path) for kind, path in RENDER_PATHS.items()}
 _PROBE_TIMEOUT = 10.0
 _MAX_FINGERPRINTS = 4096
 _PROBE_AGAIN_SECS = 30.0
+_LEARN_WAIT = 2.0  # longest a request waits for the decodes' fingerprints before its legs
 
 
 class Fingerprints:
@@ -75,10 +77,20 @@ class Fingerprints:
         return self._known.get(url)
 
     async def learn(self, urls: Iterable[str], model: str, authorization: str | None) -> None:
-        """Ask every decode in ``urls`` not known yet, at once."""
+        """Ask every decode in ``urls`` not known yet, at once, waiting at most
+        ``_LEARN_WAIT`` for them (a silent one is still asked, in the background)."""
         unknown = [url for url in urls if not self.known(url)]
         if unknown:
-            await asyncio.gather(*(self.of(url, model, authorization) for url in unknown))
+            asking = [asyncio.ensure_future(self.of(u, model, authorization)) for u in unknown]
+            _, pending = await asyncio.wait(asking, timeout=_LEARN_WAIT)
+            for waiter in pending:
+                waiter.cancel()  # the waiter only: the shielded probe goes on
+
+    async def aclose(self) -> None:
+        probes = list(self._asking.values())
+        for probe in probes:
+            probe.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
 
     async def of(self, url: str, model: str, authorization: str | None) -> str | None:
         if self.known(url):
@@ -137,6 +149,7 @@ class RenderOnce:
         self._render.start()
 
     async def aclose(self) -> None:
+        await self._fingerprints.aclose()
         await self._render.aclose()
 
     async def handle(self, request: ClientRequest) -> ProxyResponse:
@@ -193,11 +206,11 @@ class RenderOnce:
         trace = current()
         model = str(request.body.get(MODEL, ""))
         decode = trace.decode_url
-        fingerprint = (
-            None
-            if decode is None
-            else await self._fingerprints.of(decode, model, request.authorization)
-        )
+        fingerprint = None
+        if decode is not None:
+            asking = self._fingerprints.of(decode, model, request.authorization)
+            with contextlib.suppress(TimeoutError):  # still asking: null this time
+                fingerprint = await asyncio.wait_for(asking, _LEARN_WAIT)
         options = request.body.get(STREAM_OPTIONS)
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         ctx = AnswerContext(request.kind, model, fingerprint, not trace.decode_only, include_usage)

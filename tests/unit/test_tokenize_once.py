@@ -198,3 +198,24 @@ def test_render_servers_need_render_once_and_decodes_that_answer_alone():
     with pytest.raises(ConfigError, match="--render-once needs decodes"):
         create_app(ProxyConfig(**pair, kv_connector="p2p-nccl", render_once=True))
     assert create_app(ProxyConfig(**pair, render_once=True)).state.pdproxy.render_once
+
+
+async def test_a_decode_that_cannot_be_asked_has_no_fingerprint_for_a_while():
+    from engines.ports import free_port
+    from pdproxy.config import PoolLimits, Timeouts
+    from pdproxy.engine_client import EngineClient
+    from pdproxy.render_once import Fingerprints
+
+    now = [100.0]
+    client = EngineClient(Timeouts(connect=0.5, read=0.5), PoolLimits())
+    await client.start()
+    try:
+        fingerprints = Fingerprints(client, lambda: now[0])
+        nobody = f"http://127.0.0.1:{free_port()}"  # nothing listens: connect refused
+        await fingerprints.learn([nobody], "m", None)
+        assert fingerprints.known(nobody) and fingerprints.get(nobody) is None
+        now[0] += 31  # asked again after 30 s
+        assert not fingerprints.known(nobody)
+    finally:
+        await fingerprints.aclose()
+        await client.aclose()
