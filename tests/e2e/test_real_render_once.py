@@ -81,6 +81,32 @@ async def _post(url: str, path: str, body: dict[str, Any], request_id: str) -> b
         return raw
 
 
+def _merged(raw: bytes) -> tuple[set[bytes], list[bytes]]:
+    """A stream with its token chunks merged: the distinct token chunks with their text
+    emptied, and the other chunks, the last token chunk carrying all the text."""
+    shapes: set[bytes] = set()
+    others: list[bytes] = []
+    text: list[str] = []
+    for line in raw.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        event = orjson.loads(line[6:])
+        choices = event.get("choices") or [{}]
+        piece = choices[0].get("delta", choices[0])
+        if ("content" not in piece and "text" not in piece) or piece.get("role"):
+            others.append(line)
+            continue
+        key = "content" if "content" in piece else "text"
+        text.append(piece[key])
+        piece[key] = ""
+        if choices[0].get("finish_reason") is None:
+            shapes.add(orjson.dumps(event))
+        else:
+            piece[key] = "".join(text)
+            others.append(orjson.dumps(event))
+    return shapes, others
+
+
 def _usage(raw: bytes, *, stream: bool) -> dict[str, Any]:
     if not stream:
         usage: dict[str, Any] = orjson.loads(raw)["usage"]
@@ -109,7 +135,14 @@ async def test_render_once_answers_the_text_paths_bytes(pair, path, stream, usag
         )
     assert rendered == 1
     assert external_tokens(pair) > moved_before  # the decode read P's KV
-    assert _CREATED.sub(b"", got).split(b"\n") == _CREATED.sub(b"", expected).split(b"\n")
+    got, expected = _CREATED.sub(b"", got), _CREATED.sub(b"", expected)
+    if stream and got.count(b"\n\n") != expected.count(b"\n\n"):
+        # vLLM merged some tokens' deltas into one chunk on one path (its output collector
+        # does when the API server lags: timing, on either path): compare with the token
+        # chunks merged, each chunk's bytes apart from its text, and the other chunks whole
+        assert _merged(got) == _merged(expected)
+    else:
+        assert got.split(b"\n") == expected.split(b"\n")
     assert b"Paris" in got
 
 
