@@ -67,3 +67,9 @@ SCHED_ARGS ?=
 bench-sched: install
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) -m bench.sched $(SCHED_ARGS)
+
+## bench-render-once: --render-once against the text path on the real CPU NIXL pair (SmolLM2), same run
+RENDER_ONCE_ARGS ?=
+.PHONY: bench-render-once
+bench-render-once: install engines-smollm2
+	$(PY) -m bench.render_once $(RENDER_ONCE_ARGS)

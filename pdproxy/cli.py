@@ -129,6 +129,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Pr
         port=args.port,
         prefill=_prefill_addresses(args.prefill or ()),
         decode=tuple(EngineAddress(url=parse_engine_url(u)) for u in args.decode or ()),
+        render_once=args.render_once,
+        render=tuple(EngineAddress(url=parse_engine_url(u)) for u in args.render or ()),
         transfer_mode=args.transfer_mode,
         kv_connector=args.kv_connector,
         model=args.model,

@@ -342,6 +342,10 @@ class ProxyConfig:
     log_format: str = "text"  # one of LOG_FORMATS
     access_log: bool = True  # pdproxy's own line per generation request (pdproxy.access)
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector URL; None: no tracing
+    # tokenize once (pdproxy.render_once): text requests rendered once, legs on token ids,
+    # on these `vllm launch render` servers (none: on a decode)
+    render_once: bool = False
+    render: tuple[EngineAddress, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -359,6 +363,8 @@ class ProxyConfig:
             raise ConfigError("--protect-metrics needs --api-key")
         if self.shutdown_timeout < 0:
             raise ConfigError("--shutdown-timeout-secs must be >= 0")
+        if self.render and not self.render_once:
+            raise ConfigError("--render needs --render-once")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         for cidr in self.admin_allow_cidrs:

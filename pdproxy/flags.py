@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         _admin_flags,
         _security_flags,
         _lifecycle_flags,
+        _render_flags,
     ):
         add_group(p)
     return p
@@ -457,3 +458,20 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
 
 def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
     _numbers(p, LIFECYCLE)
+
+
+def _render_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tokenize once (docs/endpoints.md)")
+    g.add_argument(
+        "--render-once",
+        action="store_true",
+        help="Render each completions/chat request once and run both legs on its token ids"
+        " over /inference/v1/generate (engines need --enable-scale-out).",
+    )
+    g.add_argument(
+        "--render",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+        help="`vllm launch render` servers that render for --render-once (default: a decode).",
+    )

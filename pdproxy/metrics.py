@@ -72,6 +72,13 @@ class ProxyMetrics:
             ("reason",),
             registry=registry,
         )
+        self.render_once = Counter(
+            "pdproxy_render_once_requests_total",
+            "Text requests under --render-once, by how they were served: rendered (render,"
+            " then both legs on token ids) or the text path's reason (tools, logprobs, ...).",
+            ("served",),
+            registry=registry,
+        )
         self.kv_params_missing = Counter(
             "pdproxy_kv_params_missing_total",
             "Prefill answers that carried no kv_transfer_params (the decode recomputed).",

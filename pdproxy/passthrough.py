@@ -21,7 +21,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,8 +89,11 @@ class Passthrough:
         budget: RetryBudget,
         metrics: ProxyMetrics,
         rng: random.Random,
+        pool: Callable[[], tuple[Endpoint, ...]] | None = None,
     ) -> None:
         self._registry = registry
+        # Where the instances come from: the decodes, or another pool (--render's servers).
+        self._pool = pool or (lambda: registry.snapshot().decode)
         self._scheduler = scheduler
         self._client = client
         self._timeouts = timeouts
@@ -145,7 +148,7 @@ class Passthrough:
         return pinned(previous, self._registry.snapshot().decode)
 
     def _usable(self, avoid: Collection[str]) -> tuple[Endpoint, ...]:
-        return self._outliers.usable(self._registry.snapshot().decode, avoid)
+        return self._outliers.usable(self._pool(), avoid)
 
     def _pick(self, run: _Run, candidates: tuple[Endpoint, ...]) -> tuple[Endpoint, int | None]:
         endpoint, rank = self._scheduler.pick(Role.DECODE, run.features, candidates)

@@ -116,6 +116,7 @@ class StreamRelay:
         self._tail = b""  # the stream's last bytes, where its end marker lies
         self._first: bytes | None = None  # read by prime(), not yet handed out
         self._watchdog = watchdog
+        self._translate: Callable[[bytes], bytes] | None = None
         self._clock = watchdog.clock
         self.last_activity = self._clock()
         watchdog.watch(self)
@@ -123,6 +124,12 @@ class StreamRelay:
     def when_closed(self, on_close: Callable[[], None]) -> None:
         """Replace the callback ``close()`` runs (once the stream is handed on)."""
         self._on_close = on_close
+
+    def translate(self, translate: Callable[[bytes], bytes]) -> None:
+        """Hand the client ``translate(bytes)`` of the engine's bytes from now on (render-once
+        answers generate's stream in the OpenAI shape); the end check still reads the
+        engine's own bytes, and the relay's error events pass untranslated."""
+        self._translate = translate
 
     def abort(self, failure: ProxyError) -> None:
         """Stop relaying because of ``failure`` (e.g. the concurrent prefill failed)."""
@@ -154,6 +161,18 @@ class StreamRelay:
 
         A broken or cut upstream yields one last chunk: the terminal error event.
         """
+        translate = self._translate
+        if translate is None:
+            return await self._next()
+        while True:
+            chunk = await self._next()
+            if chunk is None or (self._done and self._failure is not None):
+                return chunk  # the end, or the relay's own error event
+            chunk = translate(chunk)
+            if chunk:
+                return chunk
+
+    async def _next(self) -> bytes | None:
         if self._first is not None:
             chunk, self._first = self._first, None
             return chunk

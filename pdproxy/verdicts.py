@@ -10,6 +10,7 @@ instance (``pdproxy_endpoint_failures_total``) by its retry reason, else ``4xx``
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pdproxy.errors import ProxyError, UpstreamStatusError
 from pdproxy.metrics import ProxyMetrics
@@ -23,10 +24,15 @@ logger = logging.getLogger(__name__)
 
 class Verdicts:
     def __init__(
-        self, outliers: OutlierDetector, registry: EndpointRegistry, metrics: ProxyMetrics
+        self,
+        outliers: OutlierDetector,
+        registry: EndpointRegistry,
+        metrics: ProxyMetrics,
+        peers: Callable[[Endpoint], tuple[Endpoint, ...]] | None = None,
     ) -> None:
         self.outliers = outliers
         self._registry = registry
+        self._peers = peers or self._role_peers
         self._metrics = metrics
 
     def success(self, endpoint: Endpoint) -> None:
@@ -49,10 +55,12 @@ class Verdicts:
             self.outliers.on_overloaded(endpoint)
         return reason
 
-    def failure(self, endpoint: Endpoint, reason: str) -> None:
+    def _role_peers(self, endpoint: Endpoint) -> tuple[Endpoint, ...]:
         snapshot = self._registry.snapshot()
-        peers = snapshot.prefill if endpoint.role is Role.PREFILL else snapshot.decode
-        if self.outliers.on_failure(endpoint, peers):
+        return snapshot.prefill if endpoint.role is Role.PREFILL else snapshot.decode
+
+    def failure(self, endpoint: Endpoint, reason: str) -> None:
+        if self.outliers.on_failure(endpoint, self._peers(endpoint)):
             endpoint.kv_sources.clear()  # it may be restarting: its KV connections with it
             self._metrics.ejections.labels(endpoint.role.value, endpoint.url).inc()
             logger.warning(

@@ -123,7 +123,10 @@ class Engine:
             # vLLM's scheduler: P's own prefix-cache hit travels in the handoff, so that
             # the decode reports it instead of its transfer's (~100 %) hit.
             params["remote_prefill_cached_tokens"] = pre.cached
-        return Outcome(text, n_tokens, reason, stop_reason, pre.cached, params)
+        # vLLM's prefill stats: full blocks this engine computed and wrote to its cache
+        bs = self.config.block_size
+        created = max(0, len(req.prompt_tokens) // bs * bs - pre.cached - pre.external)
+        return Outcome(text, n_tokens, reason, stop_reason, pre.cached, params, created)
 
 
 def _reported_cached(req: GenRequest, external: int) -> int:

@@ -112,7 +112,7 @@ def parse(
         body=body,
         model=served_model,
         prompt_tokens=tokens,
-        max_tokens=_max_tokens(kind, options, len(tokens), max_model_len),
+        max_tokens=max_tokens(kind, options, len(tokens), max_model_len),
         stream=stream,
         include_usage=stream and bool(opts.get("include_usage")),
         stop=_stop(options),
@@ -196,7 +196,7 @@ def _completion_prompt(prompt: Any) -> list[int]:
     return tokens
 
 
-def _max_tokens(kind: Kind, body: dict[str, Any], n_prompt: int, max_model_len: int) -> int:
+def max_tokens(kind: Kind, body: dict[str, Any], n_prompt: int, max_model_len: int) -> int:
     value = body.get("max_completion_tokens") if kind == "chat" else None
     if value is None:
         value = body.get("max_tokens")

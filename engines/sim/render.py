@@ -24,17 +24,29 @@ class Outcome:
     stop_reason: str | None
     cached_tokens: int
     kv_transfer_params: dict[str, Any] | None
+    created_cache_tokens: int = 0  # full prompt blocks computed and cached here
 
 
-def usage(req: GenRequest, out: Outcome) -> dict[str, Any]:
+def usage(req: GenRequest, out: Outcome, whole: bool = True) -> dict[str, Any]:
+    """vLLM's usage, as with --enable-prompt-tokens-details: whole answers dump every
+    field, stream chunks leave the nulls out; only chat reports the cache writes."""
     n = len(req.prompt_tokens)
     completion = out.completion_tokens * req.n
-    return {
+    details: dict[str, Any] = {"cached_tokens": out.cached_tokens}
+    created = out.created_cache_tokens if req.kind == "chat" else None
+    if whole or created is not None:
+        details["created_cache_tokens"] = created
+    if whole:
+        details["multimodal_tokens"] = None
+    data: dict[str, Any] = {
         "prompt_tokens": n,
         "total_tokens": n + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+        "prompt_tokens_details": details,
     }
+    if whole:
+        data["completion_tokens_details"] = None
+    return data
 
 
 _MESSAGE_EXTRAS: dict[str, Any] = {
@@ -42,8 +54,7 @@ _MESSAGE_EXTRAS: dict[str, Any] = {
     "annotations": None,
     "audio": None,
     "function_call": None,
-    "tool_calls": [],
-    "reasoning_content": None,
+    "reasoning": None,
 }
 
 
@@ -62,15 +73,29 @@ _GENERATE_CHOICE_EXTRAS: dict[str, Any] = {
 }
 
 
-def _generate_choice(text: str, finish: str | None, stop_reason: str | None) -> dict[str, Any]:
-    return {
+def _text_mode(req: GenRequest) -> bool:
+    """generate's ``output_mode: "text"``: the detokenized text beside the token ids."""
+    return req.kind == "generate" and req.body.get("output_mode") == "text"
+
+
+def _output_mode(req: GenRequest) -> str:
+    return "text" if _text_mode(req) else "tokens"
+
+
+def _generate_choice(
+    req: GenRequest, text: str, finish: str | None, stop_reason: str | None
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
         "index": 0,
         "finish_reason": finish,
         "stop_reason": stop_reason,
         "token_ids": model.tokenize(text),
         **_GENERATE_CHOICE_EXTRAS,
-        "logprobs": None,
     }
+    if _text_mode(req):
+        choice["text"] = text
+    choice["logprobs"] = None
+    return choice
 
 
 def _generate_body(req: GenRequest, out: Outcome) -> bytes:
@@ -82,14 +107,15 @@ def _generate_body(req: GenRequest, out: Outcome) -> bytes:
         **_GENERATE_EXTRAS,
         "kv_transfer_params": out.kv_transfer_params,
         "ec_transfer_params": None,
-        "output_mode": "tokens",
-        "choices": [_generate_choice(out.text, out.finish_reason, out.stop_reason)],
+        "output_mode": _output_mode(req),
+        "choices": [_generate_choice(req, out.text, out.finish_reason, out.stop_reason)],
     }
     return orjson.dumps(data)
 
 
 def _generate_chunk(req: GenRequest, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-    data = {"request_id": req.response_id, **extra, "output_mode": "tokens", "choices": choices}
+    mode = _output_mode(req)
+    data = {"request_id": req.response_id, **extra, "output_mode": mode, "choices": choices}
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
@@ -104,11 +130,13 @@ def full_body(req: GenRequest, out: Outcome) -> bytes:
     }
     if req.kind == "completion":
         text = req.echoed + out.text
-        choice: dict[str, Any] = {"index": 0, "text": text, **ends, "prompt_logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "text": text, **ends, "token_ids": None}
+        choice.update(prompt_logprobs=None, prompt_token_ids=None, routed_experts=None)
         obj = "text_completion"
     else:
         message = {"role": "assistant", "content": out.text, **_MESSAGE_EXTRAS}
-        choice = {"index": 0, "message": message, **ends}
+        choice = {"index": 0, "message": message, **ends, "token_ids": None}
+        choice["routed_experts"] = None
         obj = "chat.completion"
     data: dict[str, Any] = {
         "id": req.response_id,
@@ -120,9 +148,10 @@ def full_body(req: GenRequest, out: Outcome) -> bytes:
         "system_fingerprint": None,
         "usage": usage(req, out),
     }
-    if req.kind == "chat":
-        data["prompt_logprobs"] = None  # chat has it top-level, completions per choice
+    if req.kind == "chat":  # chat has them top-level, completions per choice
+        data.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
     data["kv_transfer_params"] = out.kv_transfer_params
+    data.update(ec_transfer_params=None, metrics=None)
     return orjson.dumps(data)
 
 
@@ -143,7 +172,7 @@ def role_chunk(req: GenRequest) -> bytes:
     """Chat's first chunk, announcing the assistant role (completions have none)."""
     delta = {"role": "assistant", "content": ""}
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
-    return _each_choice(req, [choice])
+    return _each_choice(req, [choice], prompt_token_ids=None, prompt_text=None)
 
 
 def _each_choice(req: GenRequest, choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -163,7 +192,8 @@ def token_chunk(
     """One streamed token; the last one carries finish_reason (and P's kv_transfer_params,
     except on generate, whose stream has no field for them)."""
     if req.kind == "generate":
-        return _generate_chunk(req, [_generate_choice(text, finish, stop_reason)], usage=None)
+        choices = [_generate_choice(req, text, finish, stop_reason)]
+        return _generate_chunk(req, choices, usage=None)
     if req.kind == "completion":
         choice: dict[str, Any] = {
             "index": 0,
@@ -171,11 +201,14 @@ def token_chunk(
             "logprobs": None,
             "finish_reason": finish,
             "stop_reason": stop_reason,
+            "prompt_token_ids": None,
+            "token_ids": None,
         }
     else:
         choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop_reason
+        choice["token_ids"] = None
     if finish is not None and kv_transfer_params is not None:
         return _each_choice(req, [choice], kv_transfer_params=kv_transfer_params)
     return _each_choice(req, [choice])
@@ -184,8 +217,8 @@ def token_chunk(
 def usage_chunk(req: GenRequest, out: Outcome) -> bytes:
     """The final `choices: []` chunk sent when stream_options.include_usage is set."""
     if req.kind == "generate":
-        return _generate_chunk(req, [], usage=usage(req, out))
-    return _chunk(req, [], usage=usage(req, out))
+        return _generate_chunk(req, [], usage=usage(req, out, whole=False))
+    return _chunk(req, [], usage=usage(req, out, whole=False))
 
 
 def stream_all(req: GenRequest, pieces: list[str], out: Outcome) -> bytes:

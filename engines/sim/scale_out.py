@@ -3,7 +3,10 @@
 
 ``/v1/chat/completions/render`` answers one ``GenerateRequest``; ``/v1/completions/render``
 a list of them, one per prompt. As in vLLM, the rendered ``sampling_params`` carry the
-request's sampling options but not ``max_tokens``: a caller carries its limits over.
+request's sampling options and the limit the serving layer computed (the client's
+``max_completion_tokens`` / ``max_tokens``, else the room left in the context), serialized
+as vLLM serializes ``SamplingParams``: without the fields at their default, so a limit of
+16 (``max_tokens``' default) is left out and a caller must put it back.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from typing import Any
 
 import orjson
 
-from engines.sim import model
+from engines.sim import model, openai_api
 from engines.sim.config import SimConfig
 from engines.sim.errors import ApiError, RequestValidationError
+from engines.sim.openai_api import Kind
 from engines.sim.pooling import Answer, Handler, _base_id, _chat_text, _check_model
 
 # The OpenAI fields that become SamplingParams fields of the same name.
@@ -36,17 +40,24 @@ _SAMPLING_KEYS = (
 )
 
 
-def _sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+_DEFAULT_MAX_TOKENS = 16  # SamplingParams' default: left out when serialized
+
+
+def _sampling_params(body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     params: dict[str, Any] = {"n": 1, "temperature": 1.0, "top_p": 1.0}
     params.update({k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None})
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
+    if max_tokens != _DEFAULT_MAX_TOKENS:
+        params["max_tokens"] = max_tokens
     return params
 
 
 def _generate_request(
     request_id: str, tokens: list[int], body: dict[str, Any], cfg: SimConfig
 ) -> dict[str, Any]:
+    kind: Kind = "chat" if "messages" in body else "completion"
+    max_tokens = openai_api.max_tokens(kind, body, len(tokens), cfg.max_model_len)
     stream = bool(body.get("stream"))
     return {
         "request_id": request_id,
@@ -54,7 +65,7 @@ def _generate_request(
         "token_offsets": None,
         "features": None,
         "content_parts": None,
-        "sampling_params": _sampling_params(body),
+        "sampling_params": _sampling_params(body, max_tokens),
         "model": body.get("model", cfg.model),
         "reasoning_ended": None,
         "reasoning_parser_kwargs": None,

@@ -40,12 +40,13 @@ from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
 from pdproxy.passthrough import Passthrough
 from pdproxy.registry import EndpointRegistry
+from pdproxy.render_once import RenderOnce
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
 from pdproxy.routes import ROUTES
 from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.tracing import Tracer, load_tracer
-from pdproxy.types import ApiKind
+from pdproxy.types import ApiKind, Endpoint, Role, Source
 from pdproxy.verdicts import Verdicts
 
 
@@ -130,6 +131,8 @@ class _Services:
         await state.client.start()
         state.orchestrator.start()
         state.passthrough.start()
+        if state.render_once is not None:
+            state.render_once.start()
         state.membership.add_static()
         await state.health.settle()
         await state.membership.settle()  # the static instances' warm-ups (--warm-pairs)
@@ -156,6 +159,8 @@ class _Services:
         await state.release.aclose()
         await state.orchestrator.aclose()
         await state.passthrough.aclose()
+        if state.render_once is not None:
+            await state.render_once.aclose()
         await state.client.aclose()
         await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
 
@@ -209,7 +214,10 @@ def _build_state(
     budget = _retry_budget(config.retry, clock)  # fleet-wide: generation and pass-through
     orchestrator = _orchestrator(config, core, release, scheduler, budget, rng)
     passthrough = _passthrough(config, core, scheduler, budget, rng)
-    return _app_state(config, core, orchestrator, passthrough, membership, health, release, clock)
+    state = _app_state(config, core, orchestrator, passthrough, membership, health, release, clock)
+    if config.render_once:
+        state.render_once = _render_once(config, core, orchestrator, scheduler, budget, rng, clock)
+    return state
 
 
 def _orchestrator(
@@ -259,6 +267,49 @@ def _passthrough(
         budget=budget,
         metrics=core.metrics,
         rng=rng,
+    )
+
+
+def _render_once(
+    config: ProxyConfig,
+    core: _Core,
+    orchestrator: Orchestrator,
+    scheduler: Scheduler,
+    budget: RetryBudget,
+    rng: random.Random,
+    clock: Callable[[], float],
+) -> RenderOnce:
+    """--render-once: renders on the --render servers (picked, retried and ejected like
+    decodes, among themselves), else on the decodes."""
+    if not core.connector.serves_decode_alone:
+        raise ConfigError(
+            f"--render-once needs decodes that answer alone; {config.kv_connector}'s wait for KV"
+        )
+    servers = tuple(
+        Endpoint(role=Role.DECODE, address=a, source=Source.STATIC) for a in config.render
+    )
+    pool = (lambda: servers) if servers else None
+    peers = (lambda _: servers) if servers else None
+    render = Passthrough(
+        registry=core.registry,
+        scheduler=scheduler,
+        client=core.client,
+        timeouts=config.timeouts,
+        verdicts=Verdicts(core.outliers, core.registry, core.metrics, peers),
+        outliers=core.outliers,
+        retry=config.retry,
+        budget=budget,
+        metrics=core.metrics,
+        rng=rng,
+        pool=pool,
+    )
+    return RenderOnce(
+        orchestrator=orchestrator,
+        render=render,
+        registry=core.registry,
+        client=core.client,
+        metrics=core.metrics,
+        clock=clock,
     )
 
 

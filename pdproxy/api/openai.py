@@ -109,6 +109,9 @@ class GenerationEndpoint(ServedEndpoint):
 
     async def answer(self, headers: dict[str, str], receive: Receive) -> Answer:
         request = await self._read_request(headers, receive, self._state)
+        render_once = self._state.render_once
+        if render_once is not None and self.kind is not ApiKind.GENERATE:
+            return functools.partial(render_once.handle, request)
         return functools.partial(self._state.orchestrator.handle, request)
 
     async def _read_request(

@@ -19,6 +19,7 @@ from pdproxy.metrics import ProxyMetrics
 from pdproxy.orchestrator import Orchestrator
 from pdproxy.passthrough import Passthrough
 from pdproxy.registry import EndpointRegistry
+from pdproxy.render_once import RenderOnce
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.tracing import NullTracer, Tracer
 
@@ -43,3 +44,4 @@ class AppState:
     engine_authorization: str | None = None  # "Bearer <--engine-api-key>"
     in_flight: int = 0  # client requests being served
     tracer: Tracer = field(default_factory=NullTracer)  # --otlp-traces-endpoint
+    render_once: RenderOnce | None = None  # --render-once

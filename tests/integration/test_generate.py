@@ -147,7 +147,14 @@ async def test_render_then_generate_returns_the_single_engines_tokens():
         status, raw = await _post(d.proxy.url, "/v1/chat/completions/render", chat)
         assert status == 200, raw
         rendered = orjson.loads(raw)
-        assert "max_tokens" not in rendered["sampling_params"]  # as vLLM: the caller's limit
+        # as vLLM: the limit the serving layer computed (the room left, none asked) ...
+        room = 4096 - len(rendered["token_ids"])
+        assert rendered["sampling_params"]["max_tokens"] == room
+        status, raw = await _post(
+            d.proxy.url, "/v1/chat/completions/render", {**chat, "max_tokens": 16}
+        )
+        # ... left out where it is 16, SamplingParams' default: the caller puts it back
+        assert "max_tokens" not in orjson.loads(raw)["sampling_params"]
         rendered["sampling_params"]["max_tokens"] = 5
         status, raw = await _post(d.proxy.url, GENERATE, rendered)
         assert status == 200, raw
