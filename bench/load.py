@@ -6,6 +6,7 @@ import asyncio
 import statistics
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -30,6 +31,16 @@ class Result:
     @property
     def ttft_p50_ms(self) -> float:
         return 1000 * statistics.median(self.ttft)
+
+
+def merged(results: Sequence[Result]) -> Result:
+    """Rounds of the same load as one result: their TTFTs pooled, their times added."""
+    return Result(
+        sum(r.requests for r in results),
+        sum(r.errors for r in results),
+        sum(r.seconds for r in results),
+        [t for r in results for t in r.ttft],
+    )
 
 
 def body(max_tokens: int, model: str, tag: str = "") -> bytes:
@@ -66,9 +77,11 @@ async def run(
     model: str = "sim-model",
     unique_prompts: bool = False,
     api_key: str | None = None,
+    on_done: Callable[[], None] | None = None,
 ) -> Result:
     """``unique_prompts`` gives each request its own prompt, so no engine's prefix cache
-    stands in for a prefill or a KV transfer (real engines)."""
+    stands in for a prefill or a KV transfer (real engines); ``on_done`` is called after
+    each request, answered or failed (the progress bar)."""
     url = base_url + "/v1/completions"
     payload = body(max_tokens, model)
     headers = {"Content-Type": "application/json"}
@@ -87,6 +100,8 @@ async def run(
                 ttft.append(await _one(session, url, data, headers))
             except (RuntimeError, aiohttp.ClientError):
                 errors += 1
+            if on_done is not None:
+                on_done()
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
