@@ -1,14 +1,22 @@
 """`make bench`'s chart: TTFT p50 and p99 and CPU per request, by scenario, pdproxy beside
-the direct connection and, when it ran, beside vllm-router (matplotlib, the `bench` extra)."""
+the direct connection and, when it ran, beside vllm-router (matplotlib, the `bench` extra).
+
+    python -m bench.plots RESULTS.json OUT.png   # the chart again, from a run's JSON
+"""
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import Rows
+import orjson
+
+from bench.report import Rows, subtitle
+from bench.scenarios import SCENARIOS
 
 # (series label, figure prefix, colour): the direct connection has no router, so no CPU bar
 SERIES = (
@@ -29,6 +37,7 @@ def chart(path: Path, rows: Rows, title: str = "") -> None:
     from matplotlib.ticker import FuncFormatter
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")
+    sparse = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:e}"[0] in "25" else "")
 
     present = [s for s in SERIES if any(f"{s[1]}_p50" in r for _, r in rows)]
     labels = [_label(s.name) for s, _ in rows]
@@ -38,7 +47,7 @@ def chart(path: Path, rows: Rows, title: str = "") -> None:
         _bars(ax, labels, [(s[0], s[2], [r.get(f"{s[1]}_{q}") for _, r in rows]) for s in present])
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        ax.yaxis.set_minor_formatter(sparse)
         ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_ylabel("ms (log scale)")
         ax.set_title(f"TTFT {q} (client side)")
@@ -88,3 +97,27 @@ def _shown(v: Any) -> bool:
 
 def _fmt(v: float) -> str:
     return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def rows_of(data: dict[str, Any]) -> Rows:
+    """A JSON result's scenarios as (scenario, figures) rows (``null`` figures left out)."""
+    by_id = {s.letter: s for s in SCENARIOS}
+    return [
+        (by_id[entry["id"]], {k: v for k, v in entry["figures"].items() if v is not None})
+        for entry in data["scenarios"]
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", type=Path)
+    p.add_argument("png", type=Path)
+    a = p.parse_args(argv)
+    data = orjson.loads(a.results.read_bytes())
+    chart(a.png, rows_of(data), subtitle(data))
+    print(f"written: {a.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -94,6 +94,16 @@ def markdown(rows: Rows, meta: dict[str, Any], extra: Sequence[Column] = ()) -> 
     return "\n".join(lines)
 
 
+def subtitle(meta: dict[str, Any]) -> str:
+    """The chart's footnote: revision, time, machine and load."""
+    git, m, load = meta["git"], meta["machine"], meta["load"]
+    dirty = " + uncommitted changes" if git["dirty"] else ""
+    return (
+        f"pdproxy {git['revision'][:12]}{dirty}, {meta['started_at']}, {m['cores']} cores"
+        f" ({m['cpu']}), load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after"
+    )
+
+
 def environment(argv: Sequence[str]) -> dict[str, Any]:
     """What the JSON records of the run's circumstances, taken at its start."""
     return {

@@ -27,7 +27,7 @@ from typing import Any
 
 from bench import anchor as anchors
 from bench import load, report
-from bench.procs import cpu_seconds, process, proxy_args, sim_args, wait_healthy
+from bench.procs import process, proxy_args, sim_args, tree_cpu_seconds, wait_healthy
 from bench.progress import MODES, Progress
 from bench.scenarios import Scenario, figures, selected
 from engines.ports import free_port, free_ports
@@ -241,9 +241,9 @@ async def _rounds(
     for r in range(rounds):
         for p in paths if r % 2 == 0 else reversed(paths):
             progress.stage(f"({scenario.letter}) round {r + 1}/{rounds}, {p.name}")
-            before = cpu_seconds(p.pid) if p.pid else 0.0
+            before = tree_cpu_seconds(p.pid) if p.pid else 0.0
             results[p.name].append(await load.run(p.url, total=total, **warm))
-            cpu[p.name] += cpu_seconds(p.pid) - before if p.pid else 0.0
+            cpu[p.name] += tree_cpu_seconds(p.pid) - before if p.pid else 0.0
     return results, cpu
 
 
@@ -268,9 +268,9 @@ async def _other(
         (d.proxy_url, d.proxy_pid, False),
         (d.variant_url, d.variant_pid, True),
     ):
-        before = cpu_seconds(pid)
+        before = tree_cpu_seconds(pid)
         result = await load.run(url, total=total, api_key=key if is_other else None, **warm)
-        spent = cpu_seconds(pid) - before
+        spent = tree_cpu_seconds(pid) - before
         if is_other:
             cpu_other, n_other = cpu_other + spent, n_other + result.requests
         else:
@@ -343,10 +343,7 @@ async def main_async(opts: Options, out: Outputs, progress_mode: Any) -> None:
     if out.plot is not None and rows:
         from bench.plots import chart
 
-        git = meta["git"]["revision"][:12]
-        chart(
-            out.plot, rows, f"pdproxy {git}, {meta['started_at']}, {meta['machine']['cores']} cores"
-        )
+        chart(out.plot, rows, report.subtitle(meta))
         written.append(out.plot)
     print("\nwritten: " + ", ".join(str(p) for p in written))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -55,3 +56,22 @@ def test_quick_run_beside_vllm_router(tmp_path: Path):
     assert f["anchor_cpu_ms"] > 0 and f["anchor_p50"] > f["direct_p50"]
     assert f["cpu_ratio"] == pytest.approx(f["cpu_ms"] / f["anchor_cpu_ms"])
     assert data["anchor"]["version"] == anchor.VERSION
+
+
+def test_cpu_counts_the_descendants_of_a_router(tmp_path: Path):
+    """A `--workers N` pdproxy's CPU is in its workers: the bench sums the process tree."""
+    from bench.procs import cpu_seconds, process, tree_cpu_seconds
+
+    burn = (
+        "import time\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.3: pass\n"
+        "time.sleep(30)\n"
+    )
+    child = f"{sys.executable} -c '{burn}' & wait"
+    with process(["bash", "-c", child], str(tmp_path / "log")) as parent:
+        deadline = time.monotonic() + 20
+        while tree_cpu_seconds(parent.pid) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tree_cpu_seconds(parent.pid) >= 0.25
+        assert cpu_seconds(parent.pid) < 0.1
