@@ -13,8 +13,9 @@ from bench import anchor, report
 from bench.load import Result, merged
 from bench.plots import chart
 from bench.progress import shown
-from bench.run import Options, outputs, planned, variant, variant_columns
+from bench.run import Options, outputs, planned
 from bench.scenarios import SCENARIOS, anchor_verdict, figures, selected
+from bench.variants import variant, variant_columns
 
 A, B, C, D = SCENARIOS
 
