@@ -70,6 +70,7 @@ class Options:
     anchor: anchors.Anchor | None = None
     rounds: int = 1
     quick: bool = False
+    logdir: Path | None = None  # keep the servers' logs there (else a temporary directory)
 
 
 @contextlib.asynccontextmanager
@@ -90,19 +91,19 @@ async def sim_deployment(
         stack.enter_context(process(sim_args(p_port, "prefill", decode_tps), f"{logdir}/p.log"))
         stack.enter_context(process(sim_args(d_port, "decode", decode_tps), f"{logdir}/d.log"))
         proxy = stack.enter_context(process(proxy_args(x_port, p_url, d_url), f"{logdir}/x.log"))
-        urls = [p_url, d_url, x_url]
+        urls = [(p_url, "p"), (d_url, "d"), (x_url, "x")]
         other_pid = anchor_pid = 0
         if other is not None:
             await asyncio.to_thread(Path(f"{logdir}/client.key").write_text, BENCH_KEY)
             args = other.command(k_port, p_url, d_url, logdir)
             other_pid = stack.enter_context(process(args, f"{logdir}/k.log")).pid
-            urls.append(k_url)
-        for url in urls:
-            await wait_healthy(url)
+            urls.append((k_url, "k"))
+        for url, name in urls:
+            await _healthy(url, f"{logdir}/{name}.log")
         if anchor is not None:  # after the sims answer: it checks them once as it starts
             args = anchor.command(r_port, p_url, d_url, m_port)
             anchor_pid = stack.enter_context(process(args, f"{logdir}/r.log")).pid
-            await wait_healthy(r_url)
+            await _healthy(r_url, f"{logdir}/r.log")
         yield Deployment(
             d_url,
             x_url,
@@ -113,6 +114,16 @@ async def sim_deployment(
             r_url if anchor else None,
             anchor_pid,
         )
+
+
+async def _healthy(url: str, log: str, timeout: float = 30.0) -> None:
+    """Wait for ``url``'s /health; if it never answers, say why with its log's last lines."""
+    try:
+        await wait_healthy(url, timeout)
+    except RuntimeError as e:
+        text = await asyncio.to_thread(Path(log).read_text, errors="replace")
+        tail = "\n".join(text.splitlines()[-20:])
+        raise RuntimeError(f"{e}; the end of its log, {log}:\n{tail}") from None
 
 
 @contextlib.asynccontextmanager
@@ -217,7 +228,10 @@ def outputs(json_path: Path | None, plot: str | None, stamp: str) -> Outputs:
 
 async def run_all(opts: Options, progress: Progress) -> list[tuple[Scenario, dict[str, float]]]:
     rows = []
-    with tempfile.TemporaryDirectory(prefix="pdproxy-bench-") as logdir:
+    if opts.logdir is not None:
+        opts.logdir.mkdir(parents=True, exist_ok=True)
+    kept = contextlib.nullcontext(str(opts.logdir)) if opts.logdir is not None else None
+    with kept or tempfile.TemporaryDirectory(prefix="pdproxy-bench-") as logdir:
         for scenario in selected(opts.names):
             before = os.getloadavg()[0]
             row = await measure(scenario, logdir, opts, progress)
@@ -290,6 +304,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="the JSON results' path (the .md goes beside it)")
     p.add_argument("--plot", help="the PNG chart's path, or 'none' (default: beside the JSON)")
     p.add_argument("--progress", choices=MODES, default="auto", help="the bar on stderr")
+    p.add_argument("--logdir", type=Path, help="keep the servers' logs here (one set per run)")
     return p
 
 
@@ -300,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     other = variant("api-key") if args.api_key and args.variant is None else args.variant
     anchor = anchors.ensure(args.anchor_venv, args.anchor_version) if args.anchor else None
     rounds = args.rounds or (2 if anchor is not None else 1)
-    opts = Options(args.only, other, anchor, rounds, args.quick)
+    opts = Options(args.only, other, anchor, rounds, args.quick, args.logdir)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     uvloop.run(main_async(opts, outputs(args.json, args.plot, stamp), args.progress))
 

@@ -75,3 +75,13 @@ def test_cpu_counts_the_descendants_of_a_router(tmp_path: Path):
             time.sleep(0.05)
         assert tree_cpu_seconds(parent.pid) >= 0.25
         assert cpu_seconds(parent.pid) < 0.1
+
+
+async def test_a_server_that_never_answers_is_reported_with_its_log(tmp_path: Path):
+    from bench.run import _healthy
+    from engines.ports import free_port
+
+    log = tmp_path / "r.log"
+    log.write_text("starting\nerror: address already in use\n")
+    with pytest.raises(RuntimeError, match="address already in use"):
+        await _healthy(f"http://127.0.0.1:{free_port()}", str(log), timeout=0.3)
