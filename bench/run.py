@@ -145,7 +145,7 @@ def planned(scenario: Scenario, opts: Options) -> int:
     """Requests the scenario will send, for the progress bar."""
     warmup, total = scenario.sizes(opts.quick)
     paths = 2 + (opts.anchor is not None and not scenario.real)
-    n = paths * (warmup + opts.rounds * total)
+    n = paths * (warmup + opts.rounds * (scenario.concurrency + total))
     if opts.other is not None and not scenario.real:
         n += warmup + 3 * total
     return n
@@ -160,7 +160,7 @@ async def measure(
         else sim_deployment(scenario.decode_tps, logdir, opts.other, opts.anchor)
     )
     progress.stage(f"({scenario.letter}) starting")
-    async with deployment as d:
+    async with deployment as d, contextlib.AsyncExitStack() as stack:
         warm: dict[str, Any] = dict(
             concurrency=scenario.concurrency,
             max_tokens=scenario.max_tokens,
@@ -170,10 +170,11 @@ async def measure(
         )
         warmup, total = scenario.sizes(opts.quick)
         paths = d.paths()
+        sessions = {p.name: await stack.enter_async_context(load.client()) for p in paths}
         for p in paths:
             progress.stage(f"({scenario.letter}) warm-up, {p.name}")
-            await load.run(p.url, total=warmup, **warm)
-        results, cpu = await _rounds(scenario, paths, opts.rounds, total, warm, progress)
+            await load.run(p.url, total=warmup, session=sessions[p.name], **warm)
+        results, cpu = await _rounds(scenario, paths, opts.rounds, total, warm, sessions, progress)
         row = figures(
             load.merged(results["direct"]),
             load.merged(results["pdproxy"]),
@@ -194,18 +195,26 @@ async def _rounds(
     rounds: int,
     total: int,
     warm: dict[str, Any],
+    sessions: dict[str, Any],
     progress: Progress,
 ) -> tuple[dict[str, list[load.Result]], dict[str, float]]:
     """``rounds`` of the load through every path, the order reversed every other round
     (direct, pdproxy, vllm-router; then back), so no path always runs in the same slot
-    of whatever else the machine is doing. Returns each path's results and CPU seconds."""
+    of whatever else the machine is doing. Returns each path's results and CPU seconds.
+
+    Each path's client keeps its connections open across the scenario, and one request
+    per worker before each round (not measured) makes sure they are: a round measures the
+    routers' steady state, not a storm of new connections at its start (that one server
+    closed while idle, the other not)."""
     results: dict[str, list[load.Result]] = {p.name: [] for p in paths}
     cpu = {p.name: 0.0 for p in paths}
     for r in range(rounds):
         for p in paths if r % 2 == 0 else reversed(paths):
             progress.stage(f"({scenario.letter}) round {r + 1}/{rounds}, {p.name}")
+            session = sessions[p.name]
+            await load.run(p.url, total=scenario.concurrency, session=session, **warm)
             before = tree_cpu_seconds(p.pid) if p.pid else 0.0
-            results[p.name].append(await load.run(p.url, total=total, **warm))
+            results[p.name].append(await load.run(p.url, total=total, session=session, **warm))
             cpu[p.name] += tree_cpu_seconds(p.pid) - before if p.pid else 0.0
     return results, cpu
 

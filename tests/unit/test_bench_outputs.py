@@ -126,12 +126,12 @@ def test_chart_is_a_png_with_or_without_the_anchor(tmp_path: Path):
 
 def test_progress_plan_counts_every_request():
     plain = Options()
-    assert planned(A, plain) == 2 * (200 + 4000)
+    assert planned(A, plain) == 2 * (200 + 32 + 4000)  # a request per worker per round
     with_anchor = Options(anchor=anchor.Anchor(Path("/x"), "v"), rounds=2)
-    assert planned(A, with_anchor) == 3 * (200 + 2 * 4000)
-    assert planned(D, with_anchor) == 2 * (8 + 2 * 120)  # no anchor on real engines
+    assert planned(A, with_anchor) == 3 * (200 + 2 * (32 + 4000))
+    assert planned(D, with_anchor) == 2 * (8 + 2 * (4 + 120))  # no anchor on real engines
     quick = Options(other=variant("api-key"), quick=True)
-    assert planned(C, quick) == 2 * (20 + 50) + 20 + 3 * 50
+    assert planned(C, quick) == 2 * (20 + 1 + 50) + 20 + 3 * 50
     assert shown("auto", True) and not shown("auto", False)
     assert shown("always", False) and not shown("never", True)
 
