@@ -98,6 +98,8 @@ def figures(
         "added_p50": proxied.ttft_p50_ms - direct.ttft_p50_ms,
         "added_p99": proxied.ttft_ms(0.99) - direct.ttft_ms(0.99),
         "cpu_ms": 1000 * cpu / max(proxied.requests, 1),
+        **_tail("direct", direct),
+        **_tail("proxied", proxied),
         "direct_requests": direct.requests,
         "proxied_requests": proxied.requests,
         "direct_errors": direct.errors,
@@ -113,6 +115,7 @@ def figures(
         "anchor_added_p50": anchor.ttft_p50_ms - out["direct_p50"],
         "anchor_added_p99": anchor.ttft_ms(0.99) - out["direct_p99"],
         "anchor_cpu_ms": 1000 * anchor_cpu / max(anchor.requests, 1),
+        **_tail("anchor", anchor),
         "anchor_requests": anchor.requests,
         "anchor_errors": anchor.errors,
     }
@@ -123,6 +126,15 @@ def figures(
         "cpu_ratio": out["cpu_ms"] / a["anchor_cpu_ms"] if a["anchor_cpu_ms"] else float("nan"),
         "added_p50_diff": out["added_p50"] - a["anchor_added_p50"],
         "added_p99_diff": out["added_p99"] - a["anchor_added_p99"],
+    }
+
+
+def _tail(path: str, r: Result) -> dict[str, float]:
+    """More of the TTFT distribution than the table shows: p90, p99.9 and the slowest."""
+    return {
+        f"{path}_p90": r.ttft_ms(0.9),
+        f"{path}_p999": r.ttft_ms(0.999),
+        f"{path}_max": r.ttft_ms(1),
     }
 
 

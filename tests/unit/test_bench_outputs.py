@@ -37,6 +37,7 @@ def test_figures_compare_both_routers_to_the_direct_connection():
     (_, row), (_, alone) = streamed_rows()
     assert row["direct_p50"] == pytest.approx(1.0) and row["direct_p99"] == pytest.approx(5.0)
     assert row["added_p50"] == pytest.approx(2.0) and row["added_p99"] == pytest.approx(4.0)
+    assert row["proxied_max"] == pytest.approx(9.0) and row["anchor_p90"] == pytest.approx(2.5)
     assert row["anchor_added_p50"] == pytest.approx(1.5)
     assert row["anchor_added_p99"] == pytest.approx(3.5)
     assert row["cpu_ms"] == pytest.approx(2.0)  # 0.2 s over 100 requests
