@@ -278,6 +278,12 @@ async def main_async(opts: Options, out: Outputs, progress_mode: Any) -> None:
     print("\nwritten: " + ", ".join(str(p) for p in written))
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number ≥ 1, not {text!r}")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", help="scenario letters to run, e.g. a c")
@@ -304,7 +310,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--anchor-venv", type=Path, default=anchors.VENV, help="its own venv")
     p.add_argument(
         "--rounds",
-        type=int,
+        type=_positive,
         default=None,
         help="measured rounds per path, the order reversed every other round "
         "(default 2 with --anchor, else 1)",

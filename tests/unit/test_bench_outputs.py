@@ -13,7 +13,7 @@ from bench import anchor, report
 from bench.load import Result, merged
 from bench.plots import chart
 from bench.progress import shown
-from bench.run import Options, outputs, planned
+from bench.run import Options, outputs, parser, planned
 from bench.scenarios import SCENARIOS, anchor_verdict, figures, selected
 from bench.variants import variant, variant_columns
 
@@ -184,3 +184,11 @@ def test_anchor_installs_once_into_its_own_venv(tmp_path: Path):
 def test_an_install_that_leaves_no_binary_fails_loudly(tmp_path: Path):
     with pytest.raises(RuntimeError, match="did not install"):
         anchor.ensure(tmp_path / "v", "0.1.17", run=lambda args: None)
+
+
+def test_rounds_must_be_at_least_one(capsys: pytest.CaptureFixture[str]):
+    assert parser().parse_args(["--rounds", "3", "--only", "a", "c"]).rounds == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--rounds", bad])
+    assert "whole number" in capsys.readouterr().err
