@@ -41,9 +41,12 @@ check: install
 ## scheduler's own cost per decision (64 instances) and the prefix index's bound.
 ## BENCH_ARGS="--only a c --variant api-key|access-log|rev=REV" also measures a second
 ## pdproxy (a client key, logs at info, another git revision) alternately in the same run.
+## ANCHOR=vllm-router also measures vllm-router (installed from PyPI into its own venv).
+## Tables on stdout, JSON + Markdown + PNG in bench/results/ (BENCH_ARGS="--json PATH").
 BENCH_ARGS ?=
+ANCHOR ?=
 bench: install
-	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.run $(if $(ANCHOR),--anchor $(ANCHOR)) $(BENCH_ARGS)
 	$(PY) -m bench.sched_micro
 
 clean:

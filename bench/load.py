@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -30,6 +32,16 @@ class Result:
     @property
     def ttft_p50_ms(self) -> float:
         return 1000 * statistics.median(self.ttft)
+
+
+def merged(results: Sequence[Result]) -> Result:
+    """Rounds of the same load as one result: their TTFTs pooled, their times added."""
+    return Result(
+        sum(r.requests for r in results),
+        sum(r.errors for r in results),
+        sum(r.seconds for r in results),
+        [t for r in results for t in r.ttft],
+    )
 
 
 def body(max_tokens: int, model: str, tag: str = "") -> bytes:
@@ -66,9 +78,13 @@ async def run(
     model: str = "sim-model",
     unique_prompts: bool = False,
     api_key: str | None = None,
+    on_done: Callable[[], None] | None = None,
+    session: aiohttp.ClientSession | None = None,
 ) -> Result:
     """``unique_prompts`` gives each request its own prompt, so no engine's prefix cache
-    stands in for a prefill or a KV transfer (real engines)."""
+    stands in for a prefill or a KV transfer (real engines); ``on_done`` is called after
+    each request, answered or failed (the progress bar). With ``session`` (see
+    ``clients``), the workers reuse its open connections; else they open their own."""
     url = base_url + "/v1/completions"
     payload = body(max_tokens, model)
     headers = {"Content-Type": "application/json"}
@@ -87,10 +103,22 @@ async def run(
                 ttft.append(await _one(session, url, data, headers))
             except (RuntimeError, aiohttp.ClientError):
                 errors += 1
+            if on_done is not None:
+                on_done()
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with contextlib.AsyncExitStack() as stack:
+        if session is None:
+            session = await stack.enter_async_context(client())
         started = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
         seconds = time.perf_counter() - started
     return Result(total - errors, errors, seconds, ttft)
+
+
+def client() -> aiohttp.ClientSession:
+    """A client session with no connection limit whose idle connections stay open for a
+    minute: measured rounds through it find their connections made (no connect storm of
+    N new connections at each round's start)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), auto_decompress=False
+    )

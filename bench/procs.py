@@ -24,6 +24,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and of its descendants alive now (every thread
+    of each: a router that spreads over threads, or a pdproxy whose workers are processes)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                children.setdefault(_parent(int(entry.name)), []).append(int(entry.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(current)
+        todo.extend(children.get(current, ()))
+    return total
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 @contextlib.contextmanager
 def process(args: list[str], log_path: str) -> Iterator[subprocess.Popen[bytes]]:
     with open(log_path, "wb") as log, child_process(args, log) as proc:

@@ -1,9 +1,13 @@
 """`make bench`: direct-to-decode vs through pdproxy against sim engines, in one run.
 
 Scenarios (issue 3): (a) 32 concurrent streams of 16 tokens as fast as possible, (b) 64
-concurrent streams of 128 tokens at 200 tokens/s each, (c) one request at a time. For each:
-requests/s, TTFT p50/p99 direct and proxied, the TTFT pdproxy adds, and pdproxy's own CPU
-time per request (from /proc). Prints a Markdown table.
+concurrent streams of 128 tokens at 200 tokens/s each, (c) one request at a time, (d) real
+vLLM engines. For each: requests/s, TTFT p50/p99 direct and proxied, the TTFT pdproxy adds,
+and pdproxy's own CPU time per request (from /proc). With ``--anchor vllm-router``, the Rust
+router measured alike in front of the same sims, interleaved with pdproxy (issue 12).
+
+Prints Markdown tables, writes every figure with the machine, the git revision and the load
+to a JSON file and draws a PNG chart (bench/results/bench-<time>.{json,md,png} by default).
 """
 
 from __future__ import annotations
@@ -11,38 +15,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import os
-import platform
-import shlex
+import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import load
-from bench.procs import cpu_seconds, process, proxy_args, sim_args, wait_healthy
+from bench import anchor as anchors
+from bench import load, report
+from bench.procs import process, proxy_args, sim_args, tree_cpu_seconds, wait_healthy
+from bench.progress import MODES, Progress
+from bench.scenarios import Scenario, figures, selected
+from bench.variants import BENCH_KEY, Variant, alternate, variant, variant_columns
 from engines.ports import free_port, free_ports
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
-class Scenario:
+class Route:
+    """One way to the engines that the load goes through: its name, URL and the pid whose
+    CPU is counted (0: none, the direct connection)."""
+
     name: str
-    concurrency: int
-    max_tokens: int
-    decode_tps: float
-    total: int
-    target_cpu_ms: float | None = None
-    target_added_ttft_ms: float | None = None
-    real: bool = False  # real vLLM CPU engines instead of simulated ones
-
-
-SCENARIOS = (
-    Scenario("(a) 32 concurrent, 16 tokens", 32, 16, 0, 4000, target_cpu_ms=0.8),
-    Scenario("(b) 64 concurrent, 128 tokens @200 tok/s", 64, 128, 200, 640, target_cpu_ms=4.0),
-    Scenario("(c) one at a time, 16 tokens", 1, 16, 0, 1000, target_added_ttft_ms=1.0),
-    Scenario("(d) real vLLM 1P1D (NIXL), 4 concurrent, 16 tokens", 4, 16, 0, 120, real=True),
-)
+    url: str
+    pid: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,76 +53,77 @@ class Deployment:
     model: str
     variant_url: str | None = None  # a second pdproxy, configured as the --variant says
     variant_pid: int = 0
+    anchor_url: str | None = None  # vllm-router in front of the same engines
+    anchor_pid: int = 0
 
-
-BENCH_KEY = "sk-bench-5f3c9a1e"
+    def paths(self) -> list[Route]:
+        out = [Route("direct", self.decode_url), Route("pdproxy", self.proxy_url, self.proxy_pid)]
+        if self.anchor_url is not None:
+            out.append(Route("vllm-router", self.anchor_url, self.anchor_pid))
+        return out
 
 
 @dataclass(frozen=True)
-class Variant:
-    """A second pdproxy measured beside the plain one, alternately, in the same run."""
-
-    title: str
-    args: tuple[str, ...] = ()  # extra flags
-    api_key: str | None = None  # sent by the load generator
-    checkout: str | None = None  # run pdproxy from this directory (another git revision)
-
-    def command(self, port: int, prefill: str, decode: str, logdir: str) -> list[str]:
-        args = [a.replace("{logdir}", logdir) for a in self.args]
-        command = proxy_args(port, prefill, decode, *args)
-        if self.checkout is None:
-            return command
-        # From the checkout's directory: `python -m` puts the working directory first on
-        # sys.path, so this process imports that revision's pdproxy, not the installed one.
-        return ["env", "-C", self.checkout, f"PYTHONPATH={self.checkout}", *command]
-
-
-def variant(spec: str) -> Variant:
-    """``api-key``, ``access-log`` (logs at info: the access line of every request),
-    ``flags=FLAGS`` (more pdproxy flags), or ``rev=REV`` (the same flags, the code of git
-    revision REV, checked out aside)."""
-    if spec == "api-key":
-        return Variant("--api-key", ("--api-key-file", "{logdir}/client.key"), BENCH_KEY)
-    if spec == "access-log":
-        return Variant("logs at info", ("--log-level", "info"))
-    if spec.startswith("flags="):
-        return Variant(spec[6:], tuple(shlex.split(spec[6:])))
-    if spec.startswith("rev="):
-        return Variant(f"at {spec[4:]}", checkout=_checkout(spec[4:]))
-    raise argparse.ArgumentTypeError("choose api-key, access-log, flags=FLAGS or rev=REV")
-
-
-def _checkout(rev: str) -> str:
-    """A detached worktree of ``rev`` in a temporary directory, removed at exit."""
-    import atexit
-    import subprocess
-
-    path = tempfile.mkdtemp(prefix="pdproxy-rev-")
-    subprocess.run(["git", "worktree", "add", "--detach", "-f", path, rev], check=True)
-    atexit.register(subprocess.run, ["git", "worktree", "remove", "--force", path], check=False)
-    return path
+class Options:
+    names: list[str] | None = None
+    other: Variant | None = None
+    anchor: anchors.Anchor | None = None
+    rounds: int = 1
+    quick: bool = False
+    logdir: Path | None = None  # keep the servers' logs there (else a temporary directory)
 
 
 @contextlib.asynccontextmanager
 async def sim_deployment(
-    decode_tps: float, logdir: str, other: Variant | None = None
+    decode_tps: float,
+    logdir: str,
+    other: Variant | None = None,
+    anchor: anchors.Anchor | None = None,
 ) -> AsyncIterator[Deployment]:
     """One prefill sim, one decode sim and pdproxy, each its own process; with ``other``,
-    a second pdproxy in front of the same sims, configured as it says."""
-    p_port, d_port, x_port, k_port = free_ports(4)
-    p_url, d_url, x_url, k_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, x_port, k_port))
+    a second pdproxy in front of the same sims, configured as it says; with ``anchor``,
+    vllm-router in front of them too."""
+    p_port, d_port, x_port, k_port, r_port, m_port = free_ports(6)
+    p_url, d_url, x_url, k_url, r_url = (
+        f"http://127.0.0.1:{p}" for p in (p_port, d_port, x_port, k_port, r_port)
+    )
     with contextlib.ExitStack() as stack:
         stack.enter_context(process(sim_args(p_port, "prefill", decode_tps), f"{logdir}/p.log"))
         stack.enter_context(process(sim_args(d_port, "decode", decode_tps), f"{logdir}/d.log"))
         proxy = stack.enter_context(process(proxy_args(x_port, p_url, d_url), f"{logdir}/x.log"))
-        other_pid = 0
+        urls = [(p_url, "p"), (d_url, "d"), (x_url, "x")]
+        other_pid = anchor_pid = 0
         if other is not None:
             await asyncio.to_thread(Path(f"{logdir}/client.key").write_text, BENCH_KEY)
             args = other.command(k_port, p_url, d_url, logdir)
             other_pid = stack.enter_context(process(args, f"{logdir}/k.log")).pid
-        for url in (p_url, d_url, x_url, *([k_url] if other else [])):
-            await wait_healthy(url)
-        yield Deployment(d_url, x_url, proxy.pid, "sim-model", k_url if other else None, other_pid)
+            urls.append((k_url, "k"))
+        for url, name in urls:
+            await _healthy(url, f"{logdir}/{name}.log")
+        if anchor is not None:  # after the sims answer: it checks them once as it starts
+            args = anchor.command(r_port, p_url, d_url, m_port)
+            anchor_pid = stack.enter_context(process(args, f"{logdir}/r.log")).pid
+            await _healthy(r_url, f"{logdir}/r.log")
+        yield Deployment(
+            d_url,
+            x_url,
+            proxy.pid,
+            "sim-model",
+            k_url if other else None,
+            other_pid,
+            r_url if anchor else None,
+            anchor_pid,
+        )
+
+
+async def _healthy(url: str, log: str, timeout: float = 30.0) -> None:
+    """Wait for ``url``'s /health; if it never answers, say why with its log's last lines."""
+    try:
+        await wait_healthy(url, timeout)
+    except RuntimeError as e:
+        text = await asyncio.to_thread(Path(log).read_text, errors="replace")
+        tail = "\n".join(text.splitlines()[-20:])
+        raise RuntimeError(f"{e}; the end of its log, {log}:\n{tail}") from None
 
 
 @contextlib.asynccontextmanager
@@ -140,146 +141,153 @@ async def real_deployment(logdir: str) -> AsyncIterator[Deployment]:
             yield Deployment(pair.decode_url, x_url, proxy.pid, pair.model)
 
 
-async def measure(scenario: Scenario, logdir: str, other: Variant | None) -> dict[str, float]:
+def planned(scenario: Scenario, opts: Options) -> int:
+    """Requests the scenario will send, for the progress bar."""
+    warmup, total = scenario.sizes(opts.quick)
+    paths = 2 + (opts.anchor is not None and not scenario.real)
+    n = paths * (warmup + opts.rounds * (scenario.concurrency + total))
+    if opts.other is not None and not scenario.real:
+        n += warmup + 3 * total
+    return n
+
+
+async def measure(
+    scenario: Scenario, logdir: str, opts: Options, progress: Progress
+) -> dict[str, float]:
     deployment = (
         real_deployment(logdir)
         if scenario.real
-        else sim_deployment(scenario.decode_tps, logdir, other)
+        else sim_deployment(scenario.decode_tps, logdir, opts.other, opts.anchor)
     )
-    async with deployment as d:
-        decode_url, proxy_url, pid = d.decode_url, d.proxy_url, d.proxy_pid
+    progress.stage(f"({scenario.letter}) starting")
+    async with deployment as d, contextlib.AsyncExitStack() as stack:
         warm: dict[str, Any] = dict(
             concurrency=scenario.concurrency,
             max_tokens=scenario.max_tokens,
             model=d.model,
             unique_prompts=scenario.real,
+            on_done=progress.advance,
         )
-        warmup = 8 if scenario.real else 200
-        await load.run(decode_url, total=warmup, **warm)
-        await load.run(proxy_url, total=warmup, **warm)
-        direct = await load.run(decode_url, total=scenario.total, **warm)
-        cpu_before = cpu_seconds(pid)
-        proxied = await load.run(proxy_url, total=scenario.total, **warm)
-        cpu = cpu_seconds(pid) - cpu_before
-        other_figures = await _other(d, other, scenario, warm, warmup, proxied.requests, cpu)
-    return {
-        **other_figures,
-        "direct_rps": direct.rps,
-        "proxied_rps": proxied.rps,
-        "direct_p50": direct.ttft_p50_ms,
-        "direct_p99": direct.ttft_ms(0.99),
-        "proxied_p50": proxied.ttft_p50_ms,
-        "proxied_p99": proxied.ttft_ms(0.99),
-        "added_p50": proxied.ttft_p50_ms - direct.ttft_p50_ms,
-        "cpu_ms": 1000 * cpu / max(proxied.requests, 1),
-        "errors": direct.errors + proxied.errors,
-    }
+        warmup, total = scenario.sizes(opts.quick)
+        paths = d.paths()
+        sessions = {p.name: await stack.enter_async_context(load.client()) for p in paths}
+        for p in paths:
+            progress.stage(f"({scenario.letter}) warm-up, {p.name}")
+            await load.run(p.url, total=warmup, session=sessions[p.name], **warm)
+        results, cpu = await _rounds(scenario, paths, opts.rounds, total, warm, sessions, progress)
+        row = figures(
+            load.merged(results["direct"]),
+            load.merged(results["pdproxy"]),
+            cpu["pdproxy"],
+            load.merged(results["vllm-router"]) if "vllm-router" in results else None,
+            cpu.get("vllm-router", 0.0),
+        )
+        n = int(row["proxied_requests"])
+        if opts.other is not None:
+            progress.stage(f"({scenario.letter}) {opts.other.title}")
+        row.update(await alternate(d, opts.other, total, warm, warmup, n, cpu["pdproxy"]))
+    return row
 
 
-async def _other(
-    d: Deployment,
-    other: Variant | None,
+async def _rounds(
     scenario: Scenario,
+    paths: Sequence[Route],
+    rounds: int,
+    total: int,
     warm: dict[str, Any],
-    warmup: int,
-    n: int,
-    cpu: float,
-) -> dict[str, float]:
-    """The same load through the variant pdproxy, then once more through each,
-    alternately, so both CPU figures come from the same run and machine state."""
-    if d.variant_url is None or other is None:
-        return {}
-    key = other.api_key
-    await load.run(d.variant_url, total=warmup, api_key=key, **warm)
-    cpu_plain, cpu_other, n_plain, n_other = cpu, 0.0, n, 0
-    for url, pid, is_other in (
-        (d.variant_url, d.variant_pid, True),
-        (d.proxy_url, d.proxy_pid, False),
-        (d.variant_url, d.variant_pid, True),
-    ):
-        before = cpu_seconds(pid)
-        result = await load.run(
-            url, total=scenario.total, api_key=key if is_other else None, **warm
-        )
-        spent = cpu_seconds(pid) - before
-        if is_other:
-            cpu_other, n_other = cpu_other + spent, n_other + result.requests
-        else:
-            cpu_plain, n_plain = cpu_plain + spent, n_plain + result.requests
-    plain_ms = 1000 * cpu_plain / max(n_plain, 1)
-    other_ms = 1000 * cpu_other / max(n_other, 1)
-    return {
-        "cpu_plain_ms": plain_ms,
-        "cpu_other_ms": other_ms,
-        "other_cost": other_ms / plain_ms - 1,
-    }
+    sessions: dict[str, Any],
+    progress: Progress,
+) -> tuple[dict[str, list[load.Result]], dict[str, float]]:
+    """``rounds`` of the load through every path, the order reversed every other round
+    (direct, pdproxy, vllm-router; then back), so no path always runs in the same slot
+    of whatever else the machine is doing. Returns each path's results and CPU seconds.
+
+    Each path's client keeps its connections open across the scenario, and one request
+    per worker before each round (not measured) makes sure they are: a round measures the
+    routers' steady state, not a storm of new connections at its start (that one server
+    closed while idle, the other not)."""
+    results: dict[str, list[load.Result]] = {p.name: [] for p in paths}
+    cpu = {p.name: 0.0 for p in paths}
+    for r in range(rounds):
+        for p in paths if r % 2 == 0 else reversed(paths):
+            progress.stage(f"({scenario.letter}) round {r + 1}/{rounds}, {p.name}")
+            session = sessions[p.name]
+            await load.run(p.url, total=scenario.concurrency, session=session, **warm)
+            before = tree_cpu_seconds(p.pid) if p.pid else 0.0
+            results[p.name].append(await load.run(p.url, total=total, session=session, **warm))
+            cpu[p.name] += tree_cpu_seconds(p.pid) - before if p.pid else 0.0
+    return results, cpu
 
 
-def variant_columns(other: Variant) -> tuple[tuple[str, str, str], ...]:
-    return (
-        ("CPU/request, plain", "cpu_plain_ms", "{:.3f} ms"),
-        (f"CPU/request, {other.title}", "cpu_other_ms", "{:.3f} ms"),
-        (f"{other.title}: cost", "other_cost", "{:+.1%}"),
-    )
+@dataclass(frozen=True)
+class Outputs:
+    json: Path
+    markdown: Path
+    plot: Path | None
 
 
-def verdict(scenario: Scenario, row: dict[str, float]) -> str:
-    checks = []
-    if scenario.target_cpu_ms is not None:
-        ok = row["cpu_ms"] <= scenario.target_cpu_ms
-        checks.append(f"CPU ≤ {scenario.target_cpu_ms} ms: {'met' if ok else 'MISSED'}")
-    if scenario.target_added_ttft_ms is not None:
-        ok = row["added_p50"] <= scenario.target_added_ttft_ms
-        checks.append(
-            f"added TTFT ≤ {scenario.target_added_ttft_ms} ms: {'met' if ok else 'MISSED'}"
-        )
-    return "; ".join(checks)
+def outputs(json_path: Path | None, plot: str | None, stamp: str) -> Outputs:
+    """Where the results go: ``--json PATH`` (the Markdown beside it, ``.md``), ``--plot
+    PATH`` or ``none``; by default bench/results/bench-<stamp>.*"""
+    base = RESULTS / f"bench-{stamp}.json"
+    j = json_path or base
+    png = None if plot == "none" else Path(plot) if plot else j.with_suffix(".png")
+    return Outputs(j, j.with_suffix(".md"), png)
 
 
-COLUMNS = (
-    ("req/s direct", "direct_rps", "{:.0f}"),
-    ("req/s proxied", "proxied_rps", "{:.0f}"),
-    ("TTFT p50 direct", "direct_p50", "{:.2f} ms"),
-    ("TTFT p50 proxied", "proxied_p50", "{:.2f} ms"),
-    ("TTFT p99 direct", "direct_p99", "{:.2f} ms"),
-    ("TTFT p99 proxied", "proxied_p99", "{:.2f} ms"),
-    ("added TTFT p50", "added_p50", "{:+.2f} ms"),
-    ("proxy CPU/request", "cpu_ms", "{:.3f} ms"),
-    ("errors", "errors", "{:.0f}"),
-)
-
-
-def table(rows: list[tuple[Scenario, dict[str, float]]], other: Variant | None = None) -> str:
-    columns = COLUMNS + (variant_columns(other) if other is not None else ())
-    header = ["scenario", *(title for title, _, _ in columns), "target"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for s, r in rows:
-        cells = [s.name, *(_cell(fmt, r, key) for _, key, fmt in columns), verdict(s, r)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _cell(fmt: str, row: dict[str, float], key: str) -> str:
-    return fmt.format(row[key]) if key in row else "—"
-
-
-async def main_async(names: list[str] | None, other: Variant | None) -> None:
+async def run_all(opts: Options, progress: Progress) -> list[tuple[Scenario, dict[str, float]]]:
     rows = []
-    with tempfile.TemporaryDirectory(prefix="pdproxy-bench-") as logdir:
-        for scenario in SCENARIOS:
-            if names and not any(scenario.name.startswith(f"({n})") for n in names):
-                continue
-            rows.append((scenario, await measure(scenario, logdir, other)))
-            print(f"done: {scenario.name}", flush=True)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    print(f"\nmachine: {machine}\n")
-    print(table(rows, other))
+    if opts.logdir is not None:
+        opts.logdir.mkdir(parents=True, exist_ok=True)
+    kept = contextlib.nullcontext(str(opts.logdir)) if opts.logdir is not None else None
+    with kept or tempfile.TemporaryDirectory(prefix="pdproxy-bench-") as logdir:
+        for scenario in selected(opts.names):
+            before = os.getloadavg()[0]
+            row = await measure(scenario, logdir, opts, progress)
+            row.update(load_1m_before=before, load_1m_after=os.getloadavg()[0])
+            rows.append((scenario, row))
+            progress.note(f"done: {scenario.name}")
+    return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", nargs="*", help="scenario letters to run, e.g. a c")
-    parser.add_argument(
+async def main_async(opts: Options, out: Outputs, progress_mode: Any) -> None:
+    meta = report.environment(sys.argv)
+    meta["anchor"] = (
+        {"name": anchors.NAME, "version": opts.anchor.version, "binary": str(opts.anchor.binary)}
+        if opts.anchor is not None
+        else None
+    )
+    meta["variant"] = opts.other.title if opts.other is not None else None
+    progress = Progress(sum(planned(s, opts) for s in selected(opts.names)), progress_mode)
+    try:
+        rows = await run_all(opts, progress)
+    finally:
+        progress.close()
+    meta = report.finish(meta)
+    extra = variant_columns(opts.other) if opts.other is not None else ()
+    text = report.markdown(rows, meta, extra)
+    print("\n" + text)
+    report.write_json(out.json, report.results(rows, meta, opts.quick, opts.rounds))
+    out.markdown.write_text(text + "\n")
+    written = [out.json, out.markdown]
+    if out.plot is not None and rows:
+        from bench.plots import chart
+
+        chart(out.plot, rows, report.subtitle(meta))
+        written.append(out.plot)
+    print("\nwritten: " + ", ".join(str(p) for p in written))
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number ≥ 1, not {text!r}")
+    return int(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", help="scenario letters to run, e.g. a c")
+    p.add_argument(
         "--variant",
         type=variant,
         default=None,
@@ -289,14 +297,42 @@ def main() -> None:
         "rev=REV (the "
         "code of git revision REV, for a before/after in one run).",
     )
-    parser.add_argument(
+    p.add_argument(
         "--api-key", action="store_true", help="Same as --variant api-key (kept for scripts)."
     )
-    args = parser.parse_args()
+    p.add_argument(
+        "--anchor",
+        choices=[anchors.NAME],
+        help="Also measure vllm-router (PD mode, round robin) in front of the same sims, "
+        f"interleaved with pdproxy; installs it into {anchors.VENV} on first use.",
+    )
+    p.add_argument("--anchor-version", default=anchors.VERSION, help="vllm-router's version")
+    p.add_argument("--anchor-venv", type=Path, default=anchors.VENV, help="its own venv")
+    p.add_argument(
+        "--rounds",
+        type=_positive,
+        default=None,
+        help="measured rounds per path, the order reversed every other round "
+        "(default 2 with --anchor, else 1)",
+    )
+    p.add_argument("--quick", action="store_true", help="a twentieth of the requests (smoke)")
+    p.add_argument("--json", type=Path, help="the JSON results' path (the .md goes beside it)")
+    p.add_argument("--plot", help="the PNG chart's path, or 'none' (default: beside the JSON)")
+    p.add_argument("--progress", choices=MODES, default="auto", help="the bar on stderr")
+    p.add_argument("--logdir", type=Path, help="keep the servers' logs here (one set per run)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     import uvloop
 
     other = variant("api-key") if args.api_key and args.variant is None else args.variant
-    uvloop.run(main_async(args.only, other))
+    anchor = anchors.ensure(args.anchor_venv, args.anchor_version) if args.anchor else None
+    rounds = args.rounds or (2 if anchor is not None else 1)
+    opts = Options(args.only, other, anchor, rounds, args.quick, args.logdir)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    uvloop.run(main_async(opts, outputs(args.json, args.plot, stamp), args.progress))
 
 
 if __name__ == "__main__":

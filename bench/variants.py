@@ -1,0 +1,109 @@
+"""`make bench --variant`: a second pdproxy in front of the same sims, configured otherwise
+(a client key, logs at info, other flags, another git revision), measured alternately with
+the plain one in the same run, so the CPU it costs comes from one machine state."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import tempfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from bench import load
+from bench.procs import proxy_args, tree_cpu_seconds
+
+if TYPE_CHECKING:
+    from bench.run import Deployment
+
+BENCH_KEY = "sk-bench-5f3c9a1e"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A second pdproxy measured beside the plain one, alternately, in the same run."""
+
+    title: str
+    args: tuple[str, ...] = ()  # extra flags
+    api_key: str | None = None  # sent by the load generator
+    checkout: str | None = None  # run pdproxy from this directory (another git revision)
+
+    def command(self, port: int, prefill: str, decode: str, logdir: str) -> list[str]:
+        args = [a.replace("{logdir}", logdir) for a in self.args]
+        command = proxy_args(port, prefill, decode, *args)
+        if self.checkout is None:
+            return command
+        # From the checkout's directory: `python -m` puts the working directory first on
+        # sys.path, so this process imports that revision's pdproxy, not the installed one.
+        return ["env", "-C", self.checkout, f"PYTHONPATH={self.checkout}", *command]
+
+
+def variant(spec: str) -> Variant:
+    """``api-key``, ``access-log`` (logs at info: the access line of every request),
+    ``flags=FLAGS`` (more pdproxy flags), or ``rev=REV`` (the same flags, the code of git
+    revision REV, checked out aside)."""
+    if spec == "api-key":
+        return Variant("--api-key", ("--api-key-file", "{logdir}/client.key"), BENCH_KEY)
+    if spec == "access-log":
+        return Variant("logs at info", ("--log-level", "info"))
+    if spec.startswith("flags="):
+        return Variant(spec[6:], tuple(shlex.split(spec[6:])))
+    if spec.startswith("rev="):
+        return Variant(f"at {spec[4:]}", checkout=_checkout(spec[4:]))
+    raise argparse.ArgumentTypeError("choose api-key, access-log, flags=FLAGS or rev=REV")
+
+
+def _checkout(rev: str) -> str:
+    """A detached worktree of ``rev`` in a temporary directory, removed at exit."""
+    import atexit
+    import subprocess
+
+    path = tempfile.mkdtemp(prefix="pdproxy-rev-")
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", path, rev], check=True)
+    atexit.register(subprocess.run, ["git", "worktree", "remove", "--force", path], check=False)
+    return path
+
+
+async def alternate(
+    d: Deployment,
+    other: Variant | None,
+    total: int,
+    warm: dict[str, Any],
+    warmup: int,
+    n: int,
+    cpu: float,
+) -> dict[str, float]:
+    """The same load through the variant pdproxy, then once more through each,
+    alternately, so both CPU figures come from the same run and machine state."""
+    if d.variant_url is None or other is None:
+        return {}
+    key = other.api_key
+    await load.run(d.variant_url, total=warmup, api_key=key, **warm)
+    cpu_plain, cpu_other, n_plain, n_other = cpu, 0.0, n, 0
+    for url, pid, is_other in (
+        (d.variant_url, d.variant_pid, True),
+        (d.proxy_url, d.proxy_pid, False),
+        (d.variant_url, d.variant_pid, True),
+    ):
+        before = tree_cpu_seconds(pid)
+        result = await load.run(url, total=total, api_key=key if is_other else None, **warm)
+        spent = tree_cpu_seconds(pid) - before
+        if is_other:
+            cpu_other, n_other = cpu_other + spent, n_other + result.requests
+        else:
+            cpu_plain, n_plain = cpu_plain + spent, n_plain + result.requests
+    plain_ms = 1000 * cpu_plain / max(n_plain, 1)
+    other_ms = 1000 * cpu_other / max(n_other, 1)
+    return {
+        "cpu_plain_ms": plain_ms,
+        "cpu_other_ms": other_ms,
+        "other_cost": other_ms / plain_ms - 1,
+    }
+
+
+def variant_columns(other: Variant) -> tuple[tuple[str, str, str], ...]:
+    return (
+        ("CPU/request, plain", "cpu_plain_ms", "{:.3f} ms"),
+        (f"CPU/request, {other.title}", "cpu_other_ms", "{:.3f} ms"),
+        (f"{other.title}: cost", "other_cost", "{:+.1%}"),
+    )
