@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         _admin_flags,
         _security_flags,
         _lifecycle_flags,
+        _worker_flags,
     ):
         add_group(p)
     return p
@@ -457,3 +458,14 @@ def _security_flags(p: argparse.ArgumentParser) -> None:
 
 def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
     _numbers(p, LIFECYCLE)
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workers (docs/scale-out.md)")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="Serving processes on the one port (SO_REUSEPORT), supervised by the parent,"
+        " which owns the membership (1: a single process, as without the flag).",
+    )

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry
+
 from pdproxy.admission import Admission
 from pdproxy.api.auth import ClientKeys
 from pdproxy.config import ProxyConfig
@@ -21,6 +23,8 @@ from pdproxy.passthrough import Passthrough
 from pdproxy.registry import EndpointRegistry
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.tracing import NullTracer, Tracer
+from pdproxy.workers.link import OwnerLink
+from pdproxy.workers.multiproc import WorkerGauges
 
 
 @dataclass(slots=True)
@@ -43,3 +47,8 @@ class AppState:
     engine_authorization: str | None = None  # "Bearer <--engine-api-key>"
     in_flight: int = 0  # client requests being served
     tracer: Tracer = field(default_factory=NullTracer)  # --otlp-traces-endpoint
+    # --workers N: this worker's link to the membership owner (the admin API's writes go
+    # there) and the multiprocess registry /metrics renders; None in a single process.
+    owner_link: OwnerLink | None = None
+    exposition: CollectorRegistry | None = None
+    worker_gauges: WorkerGauges | None = None
