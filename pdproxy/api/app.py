@@ -112,7 +112,9 @@ def _follow_owner(state: AppState, worker: WorkerSpec) -> None:
         max_age=state.loads.max_age,
         admin_timeout=_ADMIN_TIMEOUT + config.health.warm_timeout,
     )
-    state.exposition = exposition_registry(worker.run_dir.metrics, state.registry)
+    state.exposition = exposition_registry(
+        worker.run_dir.metrics, state.registry, state.metrics.registry
+    )
     state.worker_gauges = WorkerGauges(
         state.metrics, state.registry, state.membership.refresh_gauges
     )

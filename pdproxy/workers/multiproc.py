@@ -39,27 +39,44 @@ _SAMPLE = 0.25  # seconds between a worker's writes of its live gauges
 
 
 class _FleetOnly(Collector):
-    """The multiprocess files' families, without series of instances that have left."""
+    """The multiprocess files' families, without series of instances that have left, with
+    their own help texts (the files keep none), and every family of ``described`` even when
+    no process has a sample of it yet, as a single process exposes them."""
 
-    def __init__(self, path: str, present: Callable[[], set[str]]) -> None:
+    def __init__(
+        self, path: str, present: Callable[[], set[str]], described: CollectorRegistry
+    ) -> None:
         self._files = MultiProcessCollector(None, path)  # type: ignore[no-untyped-call]
         self._present = present
+        self._described = described
+        self._families: dict[str, tuple[str, str]] | None = None  # name -> (help, type)
 
     def collect(self) -> Iterator[Metric]:
+        if self._families is None:
+            self._families = {m.name: (m.documentation, m.type) for m in self._described.collect()}
         present = self._present()
+        seen = set()
         for family in self._files.collect():  # type: ignore[no-untyped-call]
+            seen.add(family.name)
+            family.documentation = self._families.get(family.name, (family.documentation,))[0]
             family.samples = [
                 s
                 for s in family.samples
                 if s.labels.get("url") is None or s.labels["url"] in present
             ]
             yield family
+        for name, (documentation, kind) in self._families.items():
+            if name not in seen:
+                yield Metric(name, documentation, kind)
 
 
-def exposition_registry(path: str, registry: EndpointRegistry) -> CollectorRegistry:
-    """The registry ``/metrics`` renders in a worker."""
+def exposition_registry(
+    path: str, registry: EndpointRegistry, described: CollectorRegistry
+) -> CollectorRegistry:
+    """The registry ``/metrics`` renders in a worker; ``described`` is the worker's own
+    metrics registry, for the families' help texts."""
     exposition = CollectorRegistry(auto_describe=False)
-    exposition.register(_FleetOnly(path, lambda: {e.url for e in registry.all()}))
+    exposition.register(_FleetOnly(path, lambda: {e.url for e in registry.all()}, described))
     return exposition
 
 
