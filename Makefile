@@ -67,3 +67,9 @@ SCHED_ARGS ?=
 bench-sched: install
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) -m bench.sched $(SCHED_ARGS)
+
+## bench-workers: proxy-bound load through --workers 1 and --workers 2, same run (WORKERS_ARGS=--rounds 1)
+WORKERS_ARGS ?=
+.PHONY: bench-workers
+bench-workers: install
+	$(PY) -m bench.workers $(WORKERS_ARGS)
