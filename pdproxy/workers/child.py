@@ -6,10 +6,12 @@ environment, which must hold before prometheus_client is imported. The worker bi
 listening socket on the shared port with ``SO_REUSEPORT``, so the kernel spreads new
 connections over the workers' sockets, and serves exactly as a single pdproxy does
 (``DrainingServer``: SIGTERM drains, then exit 0), its membership following the owner's.
+A worker that cannot start exits with ``BOOT_FAILURE`` (3, as uvicorn's startup failure).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -17,7 +19,7 @@ import sys
 
 from pdproxy.config import ProxyConfig
 from pdproxy.log import configure_logging
-from pdproxy.workers.spec import METRICS_ENV, WorkerSpec
+from pdproxy.workers.spec import BOOT_FAILURE, METRICS_ENV, WorkerSpec
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -46,13 +48,28 @@ def main() -> None:
     from pdproxy.api.app import create_app
     from pdproxy.server import DrainingServer, uvicorn_config
 
-    sock = listen_socket(config.host, spec.port)
-    app = create_app(config, worker=spec)
+    try:
+        sock = listen_socket(config.host, spec.port)
+        app = create_app(config, worker=spec)
+    except Exception:
+        logging.getLogger("pdproxy.workers.child").exception(
+            "worker %d could not start", spec.index + 1
+        )
+        sys.exit(BOOT_FAILURE)
     state = app.state.pdproxy
     server = DrainingServer(
         uvicorn_config(app, config), lambda: state.lifecycle.drain(config.shutdown_timeout)
     )
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except Exception:
+        if server.started:
+            raise
+        logging.getLogger("pdproxy.workers.child").exception(
+            "worker %d could not start", spec.index + 1
+        )
+    if not server.started:  # its startup failed (a certificate, the owner's snapshot...)
+        sys.exit(BOOT_FAILURE)
 
 
 if __name__ == "__main__":

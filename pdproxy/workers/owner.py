@@ -15,6 +15,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from pdproxy.api.app import check_connector
 from pdproxy.config import ProxyConfig
 from pdproxy.connectors import load_connector
 from pdproxy.discovery.zmq import ZmqRegistry
@@ -45,11 +46,13 @@ class MembershipOwner:
         self._health = HealthChecker(
             config.health, registry=self.registry, client=self._client, outliers=outliers
         )
+        connector = load_connector(config)  # ConfigError: what only the connector knows
+        check_connector(config, connector)  # before any worker starts and finds out
         self.membership = Membership(
             config=config,
             registry=self.registry,
             client=self._client,
-            connector=load_connector(config),  # ConfigError: what only the connector knows
+            connector=connector,
             metrics=self.metrics,
             health=self._health,
             clock=clock,

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+BOOT_FAILURE = 3  # a worker's exit status when it could not start serving
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,8 @@ sockets and prometheus_client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``
 any metric exists), checks that the port is free (and resolves ``--port 0`` once), starts
 the owner (the static instances' first probes awaited), then the workers, each in its own
 session so a terminal's Ctrl-C reaches only the supervisor. A worker that dies is restarted
-after a backoff (``pdproxy.workers.restart``) and its live gauges are marked dead. The first
+after a backoff (``pdproxy.workers.restart``) and its live gauges are marked dead; one that
+cannot start the first time (exit status 3) stops the whole tree with status 1. The first
 SIGTERM or SIGINT is passed to every worker as SIGTERM (each drains as a single pdproxy
 does); a second one is passed as SIGINT (uvicorn's forced exit). When every worker has
 exited (or was killed past ``--shutdown-timeout-secs`` and uvicorn's own grace), the owner
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 from pdproxy.config import ProxyConfig
 from pdproxy.workers.child import listen_socket
 from pdproxy.workers.restart import RestartBackoff
-from pdproxy.workers.spec import METRICS_ENV, RunDir, WorkerSpec
+from pdproxy.workers.spec import BOOT_FAILURE, METRICS_ENV, RunDir, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class _Slot:
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     restart_at: float = 0.0
+    starts: int = 0
     backoff: RestartBackoff = field(default_factory=RestartBackoff)
 
 
@@ -107,6 +109,7 @@ class _Supervisor:
         self._slots = [_Slot(i) for i in range(config.workers)]
         self._stop = asyncio.Event()
         self._signals = 0
+        self._failed = False  # a worker could not start at all: stop, exit 1
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -124,7 +127,8 @@ class _Supervisor:
                 os.getpid(),
             )
             await self._watch()
-            return await self._stop_workers()
+            status = await self._stop_workers()
+            return 1 if self._failed else status
         finally:
             await owner.aclose()
 
@@ -160,12 +164,20 @@ class _Supervisor:
         with proc.stdin:
             proc.stdin.write(pickle.dumps((self._config, spec)))
         slot.proc, slot.started = proc, time.monotonic()
+        slot.starts += 1
         logger.info("worker %d/%d started (pid %d)", slot.index + 1, len(self._slots), proc.pid)
 
     def _died(self, slot: _Slot, now: float) -> None:
         assert slot.proc is not None
         pid, status = slot.proc.pid, slot.proc.returncode
         self._forget(pid)
+        if status == BOOT_FAILURE and slot.starts == 1:
+            # As gunicorn does: a worker that cannot boot the first time will not later
+            # (its certificate, its port); a restart loop would only hide it.
+            logger.error("worker %d (pid %d) could not start; stopping", slot.index + 1, pid)
+            slot.proc, self._failed = None, True
+            self._stop.set()
+            return
         delay = slot.backoff.delay(now - slot.started)
         slot.proc, slot.restart_at = None, now + delay
         logger.warning(

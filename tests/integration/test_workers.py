@@ -9,11 +9,14 @@ import asyncio
 import os
 import re
 import signal
+import sys
 import time
 
 import aiohttp
 import orjson
 
+from bench.procs import process
+from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from tests.metrics_contract import load_contract, parse_exposition
 from tests.workers_harness import (
@@ -33,9 +36,14 @@ async def test_both_workers_answer_on_one_port(tmp_path):
     async with workers_tree(tmp_path) as tree:
         assert len(await tree.fresh_pids(60)) == 2
         assert await tree.fresh_pids(1) <= tree.worker_pids()
-        for session, _ in await tree.one_of_each():
+        for session, pid in await tree.one_of_each():
             code, body = await complete(session, tree.url)
             assert code == 200 and orjson.loads(body)["choices"][0]["text"]
+            body = await status(session, tree.url)  # still the same worker: keep-alive
+            assert body["worker"] == {"pid": pid, "index": body["worker"]["index"], "workers": 2}
+            for page in ("/dashboard", "/dashboard/data"):  # per worker, documented
+                async with session.get(tree.url + page) as r:
+                    assert r.status == 200, page
 
 
 async def test_an_admin_add_on_one_worker_is_routed_by_the_other_within_100_ms(tmp_path):
@@ -215,3 +223,16 @@ async def test_metrics_hold_the_committed_contract_under_workers(tmp_path):
                 assert labels == family.labels, (name, sorted(labels))
         assert "# HELP pdproxy_requests_total Client requests by endpoint" in text
         assert _value(text, 'pdproxy_retries_total{leg="decode",reason="5xx"}') >= 1
+
+
+async def test_a_worker_that_cannot_start_stops_the_tree_with_status_1(tmp_path):
+    """As gunicorn: a boot failure is not retried forever (here a certificate that is not one)."""
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate")
+    args = [sys.executable, "-m", "pdproxy", "--workers", "2", "--host", "127.0.0.1"]
+    args += ["--port", str(free_port()), "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"]
+    args += ["--ssl-certfile", str(bad), "--ssl-keyfile", str(bad)]
+    log = tmp_path / "pdproxy.log"
+    with process(args, str(log)) as proc:
+        assert await exit_code(proc, 30) == 1
+    assert "could not start; stopping" in log.read_text()
