@@ -110,8 +110,14 @@ class MembershipHub:
                 logger.exception("workers: publishing the membership failed")
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        """Receive forever; an unexpected error is logged and receiving resumes."""
         while True:
-            frames = await sock.recv_multipart()
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError:
+                logger.exception("workers: the control socket failed; resuming")
+                await asyncio.sleep(_PERIOD)
+                continue
             if len(frames) != 3:
                 logger.warning("workers: dropped a control message of %d frames", len(frames))
                 continue

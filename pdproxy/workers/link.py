@@ -139,8 +139,9 @@ class OwnerLink:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._answers[request_id] = future
         try:
-            await self._control.send_multipart([request_id, pack(request)])
-            return await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):  # the send too: it waits for a connection
+                await self._control.send_multipart([request_id, pack(request)])
+                return await future
         except TimeoutError as exc:
             raise AdminError(503, "the membership owner did not answer") from exc
         finally:
@@ -149,10 +150,13 @@ class OwnerLink:
     async def _synced(self, seq: int) -> None:
         """Until this worker has applied snapshot ``seq`` (bounded: the owner published it
         before answering, so it is already on the socket)."""
-        async with asyncio.timeout(_START_TIMEOUT):
-            while self.seq < seq:
-                self._applied.clear()
-                await self._applied.wait()
+        try:
+            async with asyncio.timeout(_START_TIMEOUT):
+                while self.seq < seq:
+                    self._applied.clear()
+                    await self._applied.wait()
+        except TimeoutError as exc:
+            raise AdminError(503, "applied, but not yet seen by this worker") from exc
 
     async def _read_answers(self, sock: zmq.asyncio.Socket) -> None:
         while True:

@@ -67,6 +67,12 @@ async def test_an_admin_add_on_one_worker_is_routed_by_the_other_within_100_ms(t
         assert code == 409 and answer["error"]["type"] == "AdminError"
         code, _ = await admin(b, tree.url, "remove", {"instance": "127.0.0.1:1"})
         assert code == 404
+        code, answer = await admin(
+            b, tree.url, "add", {"type": "decode", "instance": "127.0.0.1:9"}
+        )
+        assert code == 400 and "did not answer its probe" in answer["error"]["message"]
+        code, _ = await admin(b, tree.url, "add", {"type": "bogus", "instance": address})
+        assert code == 400  # refused by the worker itself, before the owner
         code, answer = await admin(b, tree.url, "remove", {"instance": address})
         assert code == 200 and answer["status"] == "draining"
         removed = time.monotonic()
