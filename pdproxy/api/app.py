@@ -79,7 +79,7 @@ def create_app(
     if worker is not None:
         _follow_owner(state, worker)
     dashboard = Dashboard(state, clock) if config.dashboard else None
-    services = _Services(state, registry, dashboard)
+    services = Services(state, registry, dashboard)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,6 +98,7 @@ def create_app(
     app = _ProxyApp(hot_paths, title="pdproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.pdproxy = state
     app.state.zmq_registry = registry
+    app.state.services = services  # the --workers owner runs their membership part alone
     _mount(app, generation, passthrough, dashboard)
     return app
 
@@ -140,7 +141,7 @@ def _mount(
     app.add_exception_handler(ProxyError, _proxy_error)
 
 
-class _Services:
+class Services:
     """The parts that run beside the requests, started before the first one arrives and
     stopped, in reverse, after the last."""
 
@@ -165,11 +166,13 @@ class _Services:
             await state.owner_link.start()
             state.worker_gauges.start()
         else:
-            await self._start_membership()
+            await self.start_membership()
         if self._dashboard is not None:
             self._dashboard.start()
 
-    async def _start_membership(self) -> None:
+    async def start_membership(self) -> None:
+        """Everything that feeds and keeps the membership (the pools already open): what a
+        single pdproxy and the ``--workers`` membership owner run."""
         state = self._state
         state.membership.add_static()
         await state.health.settle()
@@ -187,20 +190,24 @@ class _Services:
         state = self._state
         if self._dashboard is not None:
             await self._dashboard.aclose()
-        if self._registry is not None:
-            await self._registry.aclose()
         if state.worker_gauges is not None:
             await state.worker_gauges.aclose()
         if state.owner_link is not None:
             await state.owner_link.aclose()
-        await state.health.aclose()
-        await state.loads.aclose()
-        await state.membership.aclose()
+        await self.aclose_membership()
         await state.release.aclose()
         await state.orchestrator.aclose()
         await state.passthrough.aclose()
         await state.client.aclose()
         await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
+
+    async def aclose_membership(self) -> None:
+        state = self._state
+        if self._registry is not None:
+            await self._registry.aclose()
+        await state.health.aclose()
+        await state.loads.aclose()
+        await state.membership.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,9 +312,8 @@ def _passthrough(
     )
 
 
-def check_connector(config: ProxyConfig, connector: KVConnector) -> None:
-    """What only the connector can refuse (``ConfigError``); also run by the ``--workers``
-    supervisor before it starts any worker."""
+def _check_connector(config: ProxyConfig, connector: KVConnector) -> None:
+    """What only the connector can refuse (``ConfigError``)."""
     decode_only = config.scheduling.pd_threshold_tokens or config.scheduling.decode_only_fallback
     if decode_only and not connector.serves_decode_alone:
         raise ConfigError(
@@ -322,7 +328,7 @@ def _scheduler(
 ) -> Scheduler:
     # An engine's load figures count for three scrape intervals, then they are ignored.
     max_age = 3 * config.health.engine_metrics_interval
-    check_connector(config, core.connector)
+    _check_connector(config, core.connector)
     scheduler = Scheduler(
         config.scheduling,
         clock=clock,

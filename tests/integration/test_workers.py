@@ -242,3 +242,15 @@ async def test_a_worker_that_cannot_start_stops_the_tree_with_status_1(tmp_path)
     with process(args, str(log)) as proc:
         assert await exit_code(proc, 30) == 1
     assert "could not start; stopping" in log.read_text()
+
+
+async def test_a_configuration_only_the_connector_refuses_exits_2_before_any_worker(tmp_path):
+    args = [sys.executable, "-m", "pdproxy", "--workers", "2", "--host", "127.0.0.1"]
+    args += ["--port", str(free_port()), "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"]
+    args += ["--kv-connector", "p2p-nccl", "--pd-threshold-tokens", "64"]
+    log = tmp_path / "pdproxy.log"
+    with process(args, str(log)) as proc:
+        assert await exit_code(proc, 30) == 2
+    text = log.read_text()
+    assert "--pd-threshold-tokens and --decode-only-fallback need decodes" in text
+    assert "worker 1/2 started" not in text
