@@ -312,23 +312,18 @@ def _passthrough(
     )
 
 
-def _check_connector(config: ProxyConfig, connector: KVConnector) -> None:
-    """What only the connector can refuse (``ConfigError``)."""
-    decode_only = config.scheduling.pd_threshold_tokens or config.scheduling.decode_only_fallback
-    if decode_only and not connector.serves_decode_alone:
-        raise ConfigError(
-            f"--pd-threshold-tokens and --decode-only-fallback need decodes that can serve a"
-            f" request alone, which {config.kv_connector}'s cannot (they wait for their"
-            " prefill's KV)"
-        )
-
-
 def _scheduler(
     config: ProxyConfig, core: _Core, clock: Callable[[], float], rng: random.Random
 ) -> Scheduler:
     # An engine's load figures count for three scrape intervals, then they are ignored.
     max_age = 3 * config.health.engine_metrics_interval
-    _check_connector(config, core.connector)
+    decode_only = config.scheduling.pd_threshold_tokens or config.scheduling.decode_only_fallback
+    if decode_only and not core.connector.serves_decode_alone:
+        raise ConfigError(
+            f"--pd-threshold-tokens and --decode-only-fallback need decodes that can serve a"
+            f" request alone, which {config.kv_connector}'s cannot (they wait for their"
+            " prefill's KV)"
+        )
     scheduler = Scheduler(
         config.scheduling,
         clock=clock,
