@@ -35,7 +35,9 @@ class Tree:
     log: Path
     sessions: list[aiohttp.ClientSession] = field(default_factory=list)
 
-    async def pinned(self, exclude: set[int] = frozenset()) -> tuple[aiohttp.ClientSession, int]:  # type: ignore[assignment]
+    async def pinned(
+        self, exclude: frozenset[int] | set[int] = frozenset()
+    ) -> tuple[aiohttp.ClientSession, int]:
         """A session on one keep-alive connection, to a worker whose pid is not excluded."""
         for _ in range(200):
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
