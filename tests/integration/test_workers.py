@@ -14,6 +14,7 @@ import time
 
 import aiohttp
 import orjson
+import pytest
 
 from bench.procs import process
 from engines.ports import free_port
@@ -176,7 +177,8 @@ async def _legs_in_flight(session: aiohttp.ClientSession, url: str) -> int:
     return sum(i["in_flight"] for i in body["instances"] if i["role"] == "decode")
 
 
-async def test_sigterm_drains_every_worker_and_exits_0(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_sigterm_drains_every_worker_and_exits_0(tmp_path, sig):
     async with workers_tree(tmp_path, decode_tps=15) as tree:
         workers = tree.worker_pids()
         run_dir = _metrics_dir(next(iter(workers)))
@@ -190,7 +192,7 @@ async def test_sigterm_drains_every_worker_and_exits_0(tmp_path):
             while len(tree.decodes[0].generation_requests()) < 10:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
-            tree.proc.send_signal(signal.SIGTERM)
+            tree.proc.send_signal(sig)
             results = await asyncio.gather(*streams)
         finally:
             for c in clients:
