@@ -76,3 +76,9 @@ RENDER_ONCE_ARGS ?=
 .PHONY: bench-render-once
 bench-render-once: install engines-smollm2
 	$(PY) -m bench.render_once $(RENDER_ONCE_ARGS)
+
+## bench-workers: proxy-bound load through --workers 1 and --workers 2, same run (WORKERS_ARGS=--rounds 1)
+WORKERS_ARGS ?=
+.PHONY: bench-workers
+bench-workers: install
+	$(PY) -m bench.workers $(WORKERS_ARGS)

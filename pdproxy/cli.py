@@ -156,6 +156,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Pr
         log_format=args.log_format,
         access_log=args.access_log,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        workers=args.workers,
     )
 
 
@@ -278,11 +279,6 @@ def parse_config(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import uvicorn
-
-    from pdproxy.api.app import create_app
-    from pdproxy.server import DrainingServer
-
     config = parse_config(argv)
     configure_logging(config.log_level, config.log_format)
     logging.getLogger(__name__).info(
@@ -293,27 +289,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         len(config.prefill),
         len(config.decode),
     )
+    if config.workers > 1:
+        from pdproxy.workers.supervisor import supervise
+
+        try:
+            sys.exit(supervise(config))
+        except ConfigError as exc:  # what only the connector knows (pdproxy.connectors)
+            build_parser().error(str(exc))
+
+    from pdproxy.api.app import create_app
+    from pdproxy.server import DrainingServer, uvicorn_config
+
     try:
         app = create_app(config)
     except ConfigError as exc:  # what only the connector knows (pdproxy.connectors)
         build_parser().error(str(exc))
     state = app.state.pdproxy
-    server_config = uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        loop="uvloop" if sys.platform != "win32" else "asyncio",
-        http="httptools",
-        log_level=config.log_level,
-        access_log=False,  # pdproxy writes its own access line (pdproxy.access)
-        log_config=None,  # uvicorn's loggers propagate to pdproxy's handler and format
-        # pdproxy logs no client addresses, so X-Forwarded-For parsing is wasted work.
-        proxy_headers=False,
-        # The drain has already ended every request when uvicorn's own shutdown starts.
-        timeout_graceful_shutdown=5,
-        ssl_keyfile=config.tls.keyfile,
-        ssl_certfile=config.tls.certfile,
-        ssl_ca_certs=config.tls.ca_certs,
-        ssl_cert_reqs=config.tls.cert_reqs,
-    )
+    server_config = uvicorn_config(app, config)
     DrainingServer(server_config, lambda: state.lifecycle.drain(config.shutdown_timeout)).run()

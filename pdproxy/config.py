@@ -311,6 +311,9 @@ class RegistryConfig:
             raise ConfigError("registry ttl and sweep interval must be positive")
 
 
+MAX_WORKERS = 256
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProxyConfig:
     host: str = "0.0.0.0"
@@ -346,6 +349,7 @@ class ProxyConfig:
     # on these `vllm launch render` servers (none: on a decode)
     render_once: bool = False
     render: tuple[EngineAddress, ...] = ()
+    workers: int = 1  # serving processes (pdproxy.workers); 1: this process serves
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -361,6 +365,8 @@ class ProxyConfig:
             raise ConfigError("an --api-key must be non-empty, without surrounding spaces")
         if self.protect_metrics and not self.api_keys:
             raise ConfigError("--protect-metrics needs --api-key")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"--workers must be in 1-{MAX_WORKERS}")
         if self.shutdown_timeout < 0:
             raise ConfigError("--shutdown-timeout-secs must be >= 0")
         if self.render and not self.render_once:

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         _security_flags,
         _lifecycle_flags,
         _render_flags,
+        _worker_flags,
     ):
         add_group(p)
     return p
@@ -474,4 +475,15 @@ def _render_flags(p: argparse.ArgumentParser) -> None:
         action="extend",
         metavar="URL",
         help="`vllm launch render` servers that render for --render-once (default: a decode).",
+    )
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workers (docs/scale-out.md)")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="Serving processes on the one port (SO_REUSEPORT), supervised by the parent,"
+        " which owns the membership (1: a single process, as without the flag).",
     )

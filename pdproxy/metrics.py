@@ -63,6 +63,7 @@ class ProxyMetrics:
             "pdproxy_requests_in_flight",
             "Client requests being served.",
             registry=registry,
+            multiprocess_mode="livesum",  # pdproxy.workers: summed over the workers
         )
         self.decode_only = Counter(
             "pdproxy_decode_only_requests_total",
@@ -141,18 +142,21 @@ class ProxyMetrics:
             "Known engine instances by role and state.",
             ("role", "state"),
             registry=registry,
+            multiprocess_mode="livemax",  # every process sees the same membership
         )
         self.endpoint_healthy = Gauge(
             "pdproxy_endpoint_healthy",
             "1 while an instance passes its active health checks, else 0.",
             ("role", "url"),
             registry=registry,
+            multiprocess_mode="livemax",
         )
         self.endpoint_ejected = Gauge(
             "pdproxy_endpoint_ejected",
             "1 while an instance is ejected (breaker open or half-open), else 0.",
             ("role", "url"),
             registry=registry,
+            multiprocess_mode="livemax",  # ejected by any worker
         )
         self.engine_scrapes = Counter(
             "pdproxy_engine_scrapes_total",
@@ -197,6 +201,7 @@ class ProxyMetrics:
             "pdproxy_queue_depth",
             "Client requests waiting for an admission slot (--max-concurrent-requests).",
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.admission_rejected = Counter(
             "pdproxy_admission_rejected_total",

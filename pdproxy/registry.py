@@ -18,6 +18,7 @@ class EndpointRegistry:
         self._by_url: dict[str, Endpoint] = {}
         self._snapshot: Snapshot | None = None
         self._removal_listeners: list[Callable[[str], None]] = []
+        self._change_listeners: list[Callable[[], None]] = []
 
     def __len__(self) -> int:
         return len(self._by_url)
@@ -39,6 +40,11 @@ class EndpointRegistry:
     def on_removal(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(url)`` whenever an instance leaves (removed or expired)."""
         self._removal_listeners.append(listener)
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever the membership or an instance's routability changes
+        (an addition, a removal, a state or a health verdict): the workers' publisher."""
+        self._change_listeners.append(listener)
 
     def touch(self, url: str, ttl: float, last_seen: float) -> None:
         """Extend a registered instance's lease (a heartbeat)."""
@@ -83,10 +89,12 @@ class EndpointRegistry:
 
     def invalidate(self) -> None:
         """An endpoint's routability changed in place (its health): rebuild the snapshot."""
-        self._snapshot = None
+        self._changed()
 
     def _changed(self) -> None:
         self._snapshot = None
+        for listener in self._change_listeners:
+            listener()
 
     def _removed(self, url: str) -> None:
         for listener in self._removal_listeners:

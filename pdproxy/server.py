@@ -14,10 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from types import FrameType
+from typing import Any
 
 import uvicorn
+
+from pdproxy.config import ProxyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,3 +54,25 @@ class DrainingServer(uvicorn.Server):
         except Exception:  # never stay up because the drain failed
             logger.exception("drain failed; shutting down")
         self.should_exit = True
+
+
+def uvicorn_config(app: Any, config: ProxyConfig) -> uvicorn.Config:
+    """uvicorn's settings for pdproxy's listener (the single process and every worker)."""
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        loop="uvloop" if sys.platform != "win32" else "asyncio",
+        http="httptools",
+        log_level=config.log_level,
+        access_log=False,  # pdproxy writes its own access line (pdproxy.access)
+        log_config=None,  # uvicorn's loggers propagate to pdproxy's handler and format
+        # pdproxy logs no client addresses, so X-Forwarded-For parsing is wasted work.
+        proxy_headers=False,
+        # The drain has already ended every request when uvicorn's own shutdown starts.
+        timeout_graceful_shutdown=5,
+        ssl_keyfile=config.tls.keyfile,
+        ssl_certfile=config.tls.certfile,
+        ssl_ca_certs=config.tls.ca_certs,
+        ssl_cert_reqs=config.tls.cert_reqs,
+    )

@@ -80,7 +80,8 @@ async def add_instance(request: Request) -> Response:
         transfer_mode=_optional_mode(body),
         bootstrap_url=_bootstrap_url(body, host),
     )
-    endpoint = await state.membership.add_admin(role, address)
+    link = state.owner_link  # --workers: the membership owner applies it
+    endpoint = await (link or state.membership).add_admin(role, address)
     instance = describe(endpoint, state.outliers, now=state.clock())
     return json_response({"status": "added", "instance": instance})
 
@@ -90,7 +91,10 @@ async def remove_instance(request: Request) -> Response:
     state = _authorize(request)
     body = await _json_body(request)
     host, port = _address(body.get("instance"))
-    endpoint = state.membership.drain(format_url("http", host, port))
+    url = format_url("http", host, port)
+    endpoint = (
+        await state.owner_link.drain(url) if state.owner_link else state.membership.drain(url)
+    )
     instance = describe(endpoint, state.outliers, now=state.clock())
     return json_response({"status": "draining", "instance": instance})
 

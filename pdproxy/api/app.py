@@ -48,6 +48,13 @@ from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.tracing import Tracer, load_tracer
 from pdproxy.types import ApiKind, Endpoint, Role, Source
 from pdproxy.verdicts import Verdicts
+from pdproxy.workers.link import OwnerLink
+from pdproxy.workers.multiproc import WorkerGauges, exposition_registry
+from pdproxy.workers.spec import WorkerSpec
+
+# --workers: the longest an admin write waits for the owner, past the warm-up's timeout (the
+# owner probes the instance first, within the probe pool's timeouts).
+_ADMIN_TIMEOUT = 60.0
 
 
 def create_app(
@@ -57,18 +64,23 @@ def create_app(
     metrics_registry: CollectorRegistry | None = None,
     rng: random.Random | None = None,
     tracer: Tracer | None = None,
+    worker: WorkerSpec | None = None,
 ) -> FastAPI:
+    """The app of a single pdproxy, or with ``worker`` of one ``--workers`` process, whose
+    membership follows the owner's (``pdproxy.workers``)."""
     state = _build_state(
         config, clock, metrics_registry or CollectorRegistry(), rng or random.Random()
     )
     state.tracer = tracer or load_tracer(config.otlp_traces_endpoint)
     registry = (
         ZmqRegistry(config.registry, state.membership, state.metrics)
-        if config.registry.port
+        if config.registry.port and worker is None
         else None
     )
+    if worker is not None:
+        _follow_owner(state, worker)
     dashboard = Dashboard(state, clock) if config.dashboard else None
-    services = _Services(state, registry, dashboard)
+    services = Services(state, registry, dashboard)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -87,8 +99,27 @@ def create_app(
     app = _ProxyApp(hot_paths, title="pdproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.pdproxy = state
     app.state.zmq_registry = registry
+    app.state.services = services  # the --workers owner runs their membership part alone
     _mount(app, generation, passthrough, dashboard)
     return app
+
+
+def _follow_owner(state: AppState, worker: WorkerSpec) -> None:
+    """A worker: membership from the owner, admin writes to it, /metrics from every process."""
+    config = state.config
+    state.owner_link = OwnerLink(
+        worker,
+        registry=state.registry,
+        outliers=state.outliers,
+        max_age=state.loads.max_age,
+        admin_timeout=_ADMIN_TIMEOUT + config.health.warm_timeout,
+    )
+    state.exposition = exposition_registry(
+        worker.run_dir.metrics, state.registry, state.metrics.registry
+    )
+    state.worker_gauges = WorkerGauges(
+        state.metrics, state.registry, state.membership.refresh_gauges
+    )
 
 
 def _mount(
@@ -111,7 +142,7 @@ def _mount(
     app.add_exception_handler(ProxyError, _proxy_error)
 
 
-class _Services:
+class Services:
     """The parts that run beside the requests, started before the first one arrives and
     stopped, in reverse, after the last."""
 
@@ -133,6 +164,19 @@ class _Services:
         state.passthrough.start()
         if state.render_once is not None:
             state.render_once.start()
+        if state.owner_link is not None and state.worker_gauges is not None:
+            # A worker: the owner admits, probes, scrapes and sweeps; this one follows.
+            await state.owner_link.start()
+            state.worker_gauges.start()
+        else:
+            await self.start_membership()
+        if self._dashboard is not None:
+            self._dashboard.start()
+
+    async def start_membership(self) -> None:
+        """Everything that feeds and keeps the membership (the pools already open): what a
+        single pdproxy and the ``--workers`` membership owner run."""
+        state = self._state
         state.membership.add_static()
         await state.health.settle()
         await state.membership.settle()  # the static instances' warm-ups (--warm-pairs)
@@ -141,8 +185,6 @@ class _Services:
         state.membership.start()
         if self._registry is not None:
             self._registry.start()
-        if self._dashboard is not None:
-            self._dashboard.start()
 
     async def aclose(self) -> None:
         # uvicorn has stopped accepting and drained connections. Stop discovery, health
@@ -151,11 +193,11 @@ class _Services:
         state = self._state
         if self._dashboard is not None:
             await self._dashboard.aclose()
-        if self._registry is not None:
-            await self._registry.aclose()
-        await state.health.aclose()
-        await state.loads.aclose()
-        await state.membership.aclose()
+        if state.worker_gauges is not None:
+            await state.worker_gauges.aclose()
+        if state.owner_link is not None:
+            await state.owner_link.aclose()
+        await self.aclose_membership()
         await state.release.aclose()
         await state.orchestrator.aclose()
         await state.passthrough.aclose()
@@ -163,6 +205,14 @@ class _Services:
             await state.render_once.aclose()
         await state.client.aclose()
         await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
+
+    async def aclose_membership(self) -> None:
+        state = self._state
+        if self._registry is not None:
+            await self._registry.aclose()
+        await state.health.aclose()
+        await state.loads.aclose()
+        await state.membership.aclose()
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -51,15 +52,17 @@ async def status(request: Request) -> Response:
     endpoints, now = state.registry.all(), state.clock()
     prefill = [e.address.host_port for e in endpoints if e.role is Role.PREFILL]
     decode = [e.address.host_port for e in endpoints if e.role is Role.DECODE]
-    return json_response(
-        {
-            "prefill_node_count": len(prefill),
-            "decode_node_count": len(decode),
-            "prefill_nodes": prefill,
-            "decode_nodes": decode,
-            "instances": [describe(e, state.outliers, now=now) for e in endpoints],
-        }
-    )
+    body: dict[str, Any] = {
+        "prefill_node_count": len(prefill),
+        "decode_node_count": len(decode),
+        "prefill_nodes": prefill,
+        "decode_nodes": decode,
+        "instances": [describe(e, state.outliers, now=now) for e in endpoints],
+    }
+    if state.owner_link is not None:  # --workers: which one answered (in_flight is its own)
+        spec = state.owner_link.spec
+        body["worker"] = {"pid": os.getpid(), "index": spec.index, "workers": spec.count}
+    return json_response(body)
 
 
 def describe(
@@ -139,5 +142,10 @@ async def metrics(request: Request) -> Response:
     state = _state(request)
     if state.config.protect_metrics:
         _authorize(state, request)
-    state.membership.refresh_gauges()  # health and breaker state as of this scrape
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    if state.worker_gauges is not None:  # --workers: this worker's part of the files
+        state.worker_gauges.write()
+    else:
+        state.membership.refresh_gauges()  # health and breaker state as of this scrape
+    return Response(
+        generate_latest(state.exposition or state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )

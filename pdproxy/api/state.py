@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry
+
 from pdproxy.admission import Admission
 from pdproxy.api.auth import ClientKeys
 from pdproxy.config import ProxyConfig
@@ -22,6 +24,8 @@ from pdproxy.registry import EndpointRegistry
 from pdproxy.render_once import RenderOnce
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.tracing import NullTracer, Tracer
+from pdproxy.workers.link import OwnerLink
+from pdproxy.workers.multiproc import WorkerGauges
 
 
 @dataclass(slots=True)
@@ -45,3 +49,8 @@ class AppState:
     in_flight: int = 0  # client requests being served
     tracer: Tracer = field(default_factory=NullTracer)  # --otlp-traces-endpoint
     render_once: RenderOnce | None = None  # --render-once
+    # --workers N: this worker's link to the membership owner (the admin API's writes go
+    # there) and the multiprocess registry /metrics renders; None in a single process.
+    owner_link: OwnerLink | None = None
+    exposition: CollectorRegistry | None = None
+    worker_gauges: WorkerGauges | None = None

@@ -1,0 +1,258 @@
+"""``pdproxy --workers 2`` as real processes (the supervisor owning the membership, two
+SO_REUSEPORT workers) in front of sims: both workers serve, an admin write on one is routed by
+the other within 100 ms, ZMQ-registered engines are routable on both, /metrics sums both, a
+SIGKILLed worker loses only its own requests and is replaced, SIGTERM drains and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from bench.procs import process
+from engines.ports import free_port
+from engines.sim import SimConfig, running_sim
+from tests.metrics_contract import load_contract, parse_exposition
+from tests.workers_harness import (
+    MODEL,
+    admin,
+    complete,
+    exit_code,
+    pid_alive,
+    status,
+    workers_tree,
+)
+
+STREAM = {"stream": True, "max_tokens": 30}
+
+
+async def test_both_workers_answer_on_one_port(tmp_path):
+    async with workers_tree(tmp_path) as tree:
+        assert len(await tree.fresh_pids(60)) == 2
+        assert await tree.fresh_pids(1) <= tree.worker_pids()
+        for session, pid in await tree.one_of_each():
+            code, body = await complete(session, tree.url)
+            assert code == 200 and orjson.loads(body)["choices"][0]["text"]
+            body = await status(session, tree.url)  # still the same worker: keep-alive
+            assert body["worker"] == {"pid": pid, "index": body["worker"]["index"], "workers": 2}
+            for page in ("/dashboard", "/dashboard/data"):  # per worker, documented
+                async with session.get(tree.url + page) as r:
+                    assert r.status == 200, page
+
+
+async def test_an_admin_add_on_one_worker_is_routed_by_the_other_within_100_ms(tmp_path):
+    async with (
+        workers_tree(tmp_path) as tree,
+        running_sim(SimConfig(role="decode", connector="nixl", model=MODEL)) as extra,
+    ):
+        (a, _), (b, _) = await tree.one_of_each()
+        address = extra.url.split("://")[1]
+        code, answer = await admin(a, tree.url, "add", {"type": "decode", "instance": address})
+        added = time.monotonic()
+        assert code == 200 and answer["instance"]["url"] == extra.url
+        assert answer["instance"]["state"] == "ready" and answer["instance"]["routable"]
+        while extra.url not in await _routable(b, tree.url):
+            assert time.monotonic() - added < 0.1, "the other worker did not see the addition"
+        for _ in range(2):  # round robin over the two decodes: one of them is the new one
+            assert (await complete(b, tree.url))[0] == 200
+        assert len(extra.generation_requests()) == 1
+        # The owner's refusals reach the client as they are, through either worker.
+        code, answer = await admin(b, tree.url, "add", {"type": "decode", "instance": address})
+        assert code == 409 and answer["error"]["type"] == "AdminError"
+        code, _ = await admin(b, tree.url, "remove", {"instance": "127.0.0.1:1"})
+        assert code == 404
+        code, answer = await admin(
+            b, tree.url, "add", {"type": "decode", "instance": "127.0.0.1:9"}
+        )
+        assert code == 400 and "did not answer its probe" in answer["error"]["message"]
+        code, _ = await admin(b, tree.url, "add", {"type": "bogus", "instance": address})
+        assert code == 400  # refused by the worker itself, before the owner
+        code, answer = await admin(b, tree.url, "remove", {"instance": address})
+        assert code == 200 and answer["status"] == "draining"
+        removed = time.monotonic()
+        while extra.url in await _routable(a, tree.url):
+            assert time.monotonic() - removed < 0.1, "the other worker still routes to it"
+
+
+async def _routable(session: aiohttp.ClientSession, url: str) -> set[str]:
+    return {i["url"] for i in (await status(session, url))["instances"] if i["routable"]}
+
+
+async def test_zmq_registered_engines_are_routable_on_every_worker(tmp_path):
+    async with workers_tree(tmp_path, register=True, n_prefill=2, n_decode=2) as tree:
+        urls = {s.url for s in tree.prefills + tree.decodes}
+        for session, _ in await tree.one_of_each():
+            deadline = time.monotonic() + 5
+            while await _routable(session, tree.url) != urls:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            for _ in range(2):
+                assert (await complete(session, tree.url))[0] == 200
+        assert all(len(d.generation_requests()) == 2 for d in tree.decodes)
+
+
+async def test_metrics_sum_both_workers(tmp_path):
+    async with workers_tree(tmp_path) as tree:
+        (a, _), (b, _) = await tree.one_of_each()
+        for session, count in ((a, 7), (b, 5)):
+            for _ in range(count):
+                assert (await complete(session, tree.url))[0] == 200
+        for session in (a, b):  # the same figures whichever worker answers
+            text = await _metrics(session, tree.url)
+            assert (
+                _value(text, 'pdproxy_requests_total{endpoint="/v1/completions",outcome="ok"}')
+                == 12
+            )
+            legs = f'pdproxy_endpoint_requests_total{{role="decode",url="{tree.decodes[0].url}"}}'
+            assert _value(text, legs) == 12
+            assert _value(text, "pdproxy_requests_in_flight") == 0
+            assert _value(text, 'pdproxy_endpoints{role="decode",state="ready"}') == 1
+            assert _value(text, 'pdproxy_engine_scrapes_total{outcome="ok"}') > 0  # the owner's
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + "/metrics") as r:
+        assert r.status == 200
+        return await r.text()
+
+
+def _value(text: str, series: str) -> float:
+    match = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
+    assert match is not None, series
+    return float(match.group(1))
+
+
+async def test_a_killed_worker_loses_only_its_requests_and_is_restarted(tmp_path):
+    async with workers_tree(tmp_path, decode_tps=15) as tree:
+        (a, pid_a), (b, pid_b) = await tree.one_of_each()
+        clients = [
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+            for _ in range(16)
+        ]
+        try:
+            streams = [asyncio.create_task(_stream(c, tree.url)) for c in clients]
+            deadline = time.monotonic() + 5
+            while len(tree.decodes[0].generation_requests()) < 16:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            on_a = await _legs_in_flight(a, tree.url)
+            on_b = await _legs_in_flight(b, tree.url)
+            assert on_a + on_b == 16
+            os.kill(pid_a, signal.SIGKILL)
+            results = await asyncio.gather(*streams)
+        finally:
+            for c in clients:
+                await c.close()
+        assert results.count("whole") == on_b and results.count("cut") == on_a
+        deadline = time.monotonic() + 15
+        while not (await tree.fresh_pids(4)) - {pid_a, pid_b}:
+            assert time.monotonic() < deadline, "the killed worker was not replaced"
+            await asyncio.sleep(0.1)
+        assert len(tree.worker_pids()) == 2 and pid_a not in tree.worker_pids()
+        assert "exited with status -9; restarting it" in tree.log.read_text()
+        # Its in-flight gauges left with it (mark_process_dead), its counts stayed.
+        text = await _metrics(b, tree.url)
+        assert _value(text, "pdproxy_requests_in_flight") == 0
+
+
+async def _stream(session: aiohttp.ClientSession, url: str) -> str:
+    try:
+        code, body = await complete(session, url, **STREAM)
+    except aiohttp.ClientError:
+        return "cut"
+    if code == 200 and body.rstrip().endswith(b"data: [DONE]"):
+        return "whole"
+    return f"{code}: {body[-200:]!r}"
+
+
+async def _legs_in_flight(session: aiohttp.ClientSession, url: str) -> int:
+    body = await status(session, url)
+    return sum(i["in_flight"] for i in body["instances"] if i["role"] == "decode")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_sigterm_drains_every_worker_and_exits_0(tmp_path, sig):
+    async with workers_tree(tmp_path, decode_tps=15) as tree:
+        workers = tree.worker_pids()
+        run_dir = _metrics_dir(next(iter(workers)))
+        clients = [
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+            for _ in range(10)
+        ]
+        try:
+            streams = [asyncio.create_task(_stream(c, tree.url)) for c in clients]
+            deadline = time.monotonic() + 5
+            while len(tree.decodes[0].generation_requests()) < 10:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            tree.proc.send_signal(sig)
+            results = await asyncio.gather(*streams)
+        finally:
+            for c in clients:
+                await c.close()
+        assert results == ["whole"] * 10  # drained, not cut
+        assert await exit_code(tree.proc, 20) == 0
+        assert not any(pid_alive(p) for p in workers)
+        assert not _exists(run_dir)
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def _metrics_dir(pid: int) -> str:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    return env[b"PROMETHEUS_MULTIPROC_DIR"].decode()
+
+
+async def test_metrics_hold_the_committed_contract_under_workers(tmp_path):
+    async with workers_tree(tmp_path, n_decode=2) as tree:
+        (a, _), (b, _) = await tree.one_of_each()
+        tree.decodes[0].set_faults(status=500)  # its legs fail and are retried on the other
+        for session in (a, b, a, b):
+            assert (await complete(session, tree.url, stream=True))[0] == 200
+        tree.decodes[0].clear_faults()
+        texts = [await _metrics(s, tree.url) for s in (a, b)]
+    contract = load_contract()
+    for text in texts:
+        types, samples = parse_exposition(text)
+        assert {n for n in types if n.startswith("pdproxy_")} == set(contract)
+        for name, family in contract.items():
+            assert types[name] == family.type, name
+            for labels in samples.get(name, ()):
+                assert labels == family.labels, (name, sorted(labels))
+        assert "# HELP pdproxy_requests_total Client requests by endpoint" in text
+        assert _value(text, 'pdproxy_retries_total{leg="decode",reason="5xx"}') >= 1
+
+
+async def test_a_worker_that_cannot_start_stops_the_tree_with_status_1(tmp_path):
+    """As gunicorn: a boot failure is not retried forever (here a certificate that is not one)."""
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate")
+    args = [sys.executable, "-m", "pdproxy", "--workers", "2", "--host", "127.0.0.1"]
+    args += ["--port", str(free_port()), "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"]
+    args += ["--ssl-certfile", str(bad), "--ssl-keyfile", str(bad)]
+    log = tmp_path / "pdproxy.log"
+    with process(args, str(log)) as proc:
+        assert await exit_code(proc, 30) == 1
+    assert "could not start; stopping" in log.read_text()
+
+
+async def test_a_configuration_only_the_connector_refuses_exits_2_before_any_worker(tmp_path):
+    args = [sys.executable, "-m", "pdproxy", "--workers", "2", "--host", "127.0.0.1"]
+    args += ["--port", str(free_port()), "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"]
+    args += ["--kv-connector", "p2p-nccl", "--pd-threshold-tokens", "64"]
+    log = tmp_path / "pdproxy.log"
+    with process(args, str(log)) as proc:
+        assert await exit_code(proc, 30) == 2
+    text = log.read_text()
+    assert "--pd-threshold-tokens and --decode-only-fallback need decodes" in text
+    assert "worker 1/2 started" not in text
