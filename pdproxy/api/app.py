@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -27,6 +27,7 @@ from pdproxy.api.passthrough import PassthroughEndpoint
 from pdproxy.api.state import AppState
 from pdproxy.config import ProxyConfig, RetryConfig
 from pdproxy.connectors import KVConnector, load_connector
+from pdproxy.discovery.shared import require_etcd
 from pdproxy.discovery.zmq import ZmqRegistry
 from pdproxy.engine_client import EngineClient
 from pdproxy.errors import ConfigError, ProxyError
@@ -48,6 +49,9 @@ from pdproxy.tracing import Tracer, load_tracer
 from pdproxy.types import ApiKind
 from pdproxy.verdicts import Verdicts
 
+if TYPE_CHECKING:  # imported at run time only under --registry-backend etcd://
+    from pdproxy.discovery.etcd import EtcdRegistry
+
 
 def create_app(
     config: ProxyConfig,
@@ -67,7 +71,9 @@ def create_app(
         else None
     )
     dashboard = Dashboard(state, clock) if config.dashboard else None
-    services = _Services(state, registry, dashboard)
+    shared = _shared_registry(config, state)
+    state.registry_backend = None if shared is None else shared.status
+    services = _Services(state, registry, dashboard, shared)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -110,16 +116,37 @@ def _mount(
     app.add_exception_handler(ProxyError, _proxy_error)
 
 
+def _shared_registry(config: ProxyConfig, state: AppState) -> EtcdRegistry | None:
+    """--registry-backend etcd://: the replicas' shared registry (imported only then)."""
+    if not config.registry.shared.enabled:
+        return None
+    require_etcd()
+    from pdproxy.discovery.etcd import EtcdRegistry
+
+    return EtcdRegistry(
+        config.registry.shared,
+        registry_ttl=config.registry.ttl,
+        membership=state.membership,
+        registry=state.registry,
+        metrics=state.metrics,
+    )
+
+
 class _Services:
     """The parts that run beside the requests, started before the first one arrives and
     stopped, in reverse, after the last."""
 
     def __init__(
-        self, state: AppState, registry: ZmqRegistry | None, dashboard: Dashboard | None
+        self,
+        state: AppState,
+        registry: ZmqRegistry | None,
+        dashboard: Dashboard | None,
+        shared: EtcdRegistry | None = None,
     ) -> None:
         self._state = state
         self._registry = registry
         self._dashboard = dashboard
+        self._shared = shared
 
     async def start(self) -> None:
         # Open the upstream pools, admit the static instances, start the sweeper and the
@@ -136,6 +163,8 @@ class _Services:
         state.health.start()
         state.loads.start()
         state.membership.start()
+        if self._shared is not None:  # the fleet other replicas know, before heartbeats
+            await self._shared.start()
         if self._registry is not None:
             self._registry.start()
         if self._dashboard is not None:
@@ -150,6 +179,8 @@ class _Services:
             await self._dashboard.aclose()
         if self._registry is not None:
             await self._registry.aclose()
+        if self._shared is not None:
+            await self._shared.aclose()
         await state.health.aclose()
         await state.loads.aclose()
         await state.membership.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdproxy.admission import Admission
 from pdproxy.api.auth import ClientKeys
@@ -43,3 +44,5 @@ class AppState:
     engine_authorization: str | None = None  # "Bearer <--engine-api-key>"
     in_flight: int = 0  # client requests being served
     tracer: Tracer = field(default_factory=NullTracer)  # --otlp-traces-endpoint
+    # --registry-backend etcd://: the shared registry's state for /status; None in-process
+    registry_backend: Callable[[], dict[str, Any]] | None = None

@@ -1,0 +1,243 @@
+"""Two (or three) pdproxy replicas, real uvicorn servers, sharing one registry through a
+real etcd: an engine heartbeating (vLLM's msgpack payload over a real ZMQ DEALER) only to
+replica A is routed by replica B; an admin removal on B drains it on A; stopping the
+heartbeats expires it everywhere within the registry TTL; an etcd outage loses no routing
+and the replicas converge again once it is back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import aiohttp
+import msgpack
+import zmq
+import zmq.asyncio
+
+from engines.ports import free_port
+from engines.sim import SimConfig, running_sim
+from pdproxy.config import ProxyConfig, RegistryConfig, SharedRegistryConfig
+from pdproxy.types import EndpointState, Role
+from tests.integration.conftest import MODEL
+from tests.scaleout.etcd_server import EtcdServer
+from tests.servers import running_proxy
+
+TTL, SWEEP, BEAT = 2.0, 0.1, 0.3  # etcd leases count whole seconds: 2 s is its floor
+KEY = "scaleout-admin-key"
+
+
+def _config(etcd: EtcdServer, prefix: str, zmq_port: int | None) -> ProxyConfig:
+    registry = RegistryConfig(
+        port=zmq_port,
+        host="127.0.0.1",
+        ttl=TTL,
+        sweep_interval=SWEEP,
+        shared=SharedRegistryConfig(etcd=(etcd.endpoint,), prefix=prefix),
+    )
+    return ProxyConfig(registry=registry, admin_api_key=KEY)
+
+
+@contextlib.asynccontextmanager
+async def replicas(etcd: EtcdServer):
+    """Replica A (with the ZMQ registry engines heartbeat to) and replica B (none)."""
+    prefix = f"/pdproxy/test-{uuid.uuid4().hex[:8]}/"
+    zmq_port = free_port()
+    async with (
+        running_proxy(_config(etcd, prefix, zmq_port)) as a,
+        running_proxy(_config(etcd, prefix, None)) as b,
+    ):
+        yield a, b, f"tcp://127.0.0.1:{zmq_port}", prefix
+
+
+@contextlib.asynccontextmanager
+async def heartbeats(endpoint: str, *sims):
+    """vLLM's P2P-NCCL registration, from one DEALER per engine, every BEAT seconds."""
+    ctx = zmq.asyncio.Context()
+    socks = []
+    for _ in sims:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        socks.append(sock)
+    state = {"last": 0.0}
+
+    async def beat():
+        while True:
+            for sock, (kind, sim) in zip(socks, sims, strict=True):
+                payload = {
+                    "type": kind,
+                    "http_address": f"127.0.0.1:{sim.port}",
+                    "zmq_address": f"127.0.0.1:{sim.kv_port}",
+                }
+                await sock.send(msgpack.dumps(payload))
+            state["last"] = time.monotonic()
+            await asyncio.sleep(BEAT)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield task, state
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+
+
+async def _until(predicate, timeout: float) -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def _routable(proxy, url: str) -> bool:
+    snap = proxy.state.registry.snapshot()
+    return any(e.url == url for e in (*snap.prefill, *snap.decode))
+
+
+async def _complete(s: aiohttp.ClientSession, proxy) -> int:
+    body = {"model": MODEL, "prompt": "shared registry", "max_tokens": 2}
+    async with s.post(proxy.url + "/v1/completions", json=body) as r:
+        await r.read()
+        return r.status
+
+
+async def _admin(s: aiohttp.ClientSession, proxy, action: str, **body) -> int:
+    headers = {"X-API-Key": KEY}
+    async with s.post(f"{proxy.url}/instances/{action}", json=body, headers=headers) as r:
+        await r.read()
+        return r.status
+
+
+async def _status(s: aiohttp.ClientSession, proxy) -> dict:
+    async with s.get(proxy.url + "/status") as r:
+        return (await r.json())["registry_backend"]
+
+
+async def test_heartbeats_to_a_route_on_b_then_expire_everywhere(etcd):
+    async with (
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+        replicas(etcd) as (a, b, zmq_endpoint, prefix),
+        aiohttp.ClientSession() as s,
+    ):
+        assert (await _status(s, b))["up"] is True
+        async with heartbeats(zmq_endpoint, ("P", p), ("D", d)) as (task, beats):
+            first = time.monotonic()
+            await _until(lambda: _routable(b, p.url) and _routable(b, d.url), timeout=1.0)
+            assert time.monotonic() - first < 1.0
+            assert b.state.registry.get(d.url).source.value == "registered"
+            assert await _complete(s, b) == 200
+            assert d.generation_requests() and p.generation_requests()
+
+            # A replica started now resyncs from etcd before it serves.
+            config = _config(etcd, prefix, None)
+            async with running_proxy(config) as c:
+                assert _routable(c, p.url) and _routable(c, d.url)
+                assert await _complete(s, c) == 200
+
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            last = beats["last"]
+        gone = await _until(
+            lambda: all(x.state.registry.get(u) is None for x in (a, b) for u in (p.url, d.url)),
+            timeout=TTL + 2.0,
+        )
+        since_last_beat = time.monotonic() - last
+        # A expires them one TTL after their last heartbeat (its sweep's granularity and
+        # the watch's delivery on top), and B forgets them as A's claims go.
+        assert since_last_beat <= TTL + 0.6, (since_last_beat, gone)
+        assert (await _status(s, b))["learned_instances"] == 0
+
+
+async def test_admin_removal_on_b_drains_on_a_and_stays_removed(etcd):
+    async with (
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d2,
+        replicas(etcd) as (a, b, zmq_endpoint, _),
+        aiohttp.ClientSession() as s,
+        heartbeats(zmq_endpoint, ("P", p), ("D", d)),
+    ):
+        await _until(lambda: _routable(b, d.url) and _routable(a, d.url), timeout=2.0)
+        assert await _admin(s, b, "remove", instance=f"127.0.0.1:{d.port}") == 200
+        await _until(lambda: a.state.registry.get(d.url) is None, timeout=1.0)
+        await asyncio.sleep(3 * BEAT)  # its heartbeats keep coming to A: still retired
+        assert a.state.registry.get(d.url) is None and b.state.registry.get(d.url) is None
+
+        # An admin addition on A reaches B, and B's admin removal of it drains it on A.
+        assert await _admin(s, a, "add", type="decode", instance=f"127.0.0.1:{d2.port}") == 200
+        await _until(lambda: _routable(b, d2.url), timeout=1.0)
+        assert b.state.registry.get(d2.url).source.value == "admin"
+        assert await _complete(s, b) == 200 and d2.generation_requests()
+        assert await _admin(s, b, "remove", instance=f"127.0.0.1:{d2.port}") == 200
+        await _until(lambda: a.state.registry.get(d2.url) is None, timeout=1.0)
+
+
+async def test_etcd_outage_loses_no_routing_and_replicas_converge_after(etcd):
+    async with (
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d2,
+        replicas(etcd) as (a, b, zmq_endpoint, _),
+        aiohttp.ClientSession() as s,
+        heartbeats(zmq_endpoint, ("P", p), ("D", d)),
+    ):
+        await _until(lambda: _routable(b, p.url) and _routable(b, d.url), timeout=2.0)
+        await etcd.stop()
+        outage_ends = time.monotonic() + 10.0
+        statuses, saw_down = [], False
+        while time.monotonic() < outage_ends:
+            for proxy in (a, b):
+                statuses.append(await _complete(s, proxy))
+            if not saw_down:
+                status = await _status(s, b)
+                saw_down = status["up"] is False and status["last_error"]
+            await asyncio.sleep(0.05)
+        assert saw_down, "B never said etcd was unreachable"
+        async with s.get(b.url + "/metrics") as r:
+            assert "pdproxy_registry_backend_up 0.0" in await r.text()
+        assert statuses and set(statuses) == {200}, statuses
+        await etcd.start()
+
+        async def both_up():
+            return all([(await _status(s, x))["up"] for x in (a, b)])
+
+        deadline = time.monotonic() + 10.0
+        while not await both_up():
+            assert time.monotonic() < deadline, "the replicas did not resync"
+            await asyncio.sleep(0.1)
+        # A change after the restart reaches both.
+        assert await _admin(s, b, "add", type="decode", instance=f"127.0.0.1:{d2.port}") == 200
+        await _until(lambda: _routable(a, d2.url), timeout=1.0)
+        assert _routable(b, p.url) and _routable(b, d.url)
+        assert await _complete(s, a) == 200 and await _complete(s, b) == 200
+
+
+async def test_a_replica_that_never_reached_etcd_serves_and_catches_up(etcd):
+    """etcd down when a replica starts: it starts anyway, says so, and learns the shared
+    instances once etcd comes up."""
+    async with (
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+        replicas(etcd) as (a, _b, zmq_endpoint, prefix),
+        heartbeats(zmq_endpoint, ("P", p), ("D", d)),
+        aiohttp.ClientSession() as s,
+    ):
+        await _until(lambda: _routable(a, d.url), timeout=2.0)
+        await etcd.stop()
+        config = _config(etcd, prefix, None)
+        async with running_proxy(config) as c:
+            status = await _status(s, c)
+            assert status["up"] is False and status["backend"] == "etcd"
+            assert c.state.registry.get(d.url) is None
+            await etcd.start()
+            await _until(lambda: _routable(c, d.url), timeout=10.0)
+            endpoint = c.state.registry.get(d.url)
+            assert endpoint.role is Role.DECODE and endpoint.state is EndpointState.READY
