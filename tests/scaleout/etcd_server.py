@@ -23,7 +23,7 @@ class EtcdServer:
         self.client_port = free_port()
         self.peer_port = free_port()
         self.log_path = data_dir.parent / "etcd.log"
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: asyncio.subprocess.Process | None = None
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -50,12 +50,12 @@ class EtcdServer:
     async def start(self) -> None:
         assert self._process is None, "already running"
         with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            self._process = await asyncio.create_subprocess_exec(
+                *self._command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         deadline = time.monotonic() + _START_TIMEOUT
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
+            if self._process.returncode is not None:
                 raise RuntimeError(f"etcd exited: {self.log_path.read_text()[-2000:]}")
             if await asyncio.to_thread(self._healthy):
                 return
@@ -76,7 +76,7 @@ class EtcdServer:
             return
         process.terminate()
         try:
-            await asyncio.to_thread(process.wait, 10)
-        except subprocess.TimeoutExpired:
+            await asyncio.wait_for(process.wait(), 10)
+        except asyncio.TimeoutError:
             process.kill()
-            await asyncio.to_thread(process.wait, 10)
+            await process.wait()
