@@ -151,6 +151,14 @@ class ReplicaView:
         }
 
     def reconcile(self, url: str) -> None:
+        """Bring this replica's view of ``url`` in line with the shared registry; one bad
+        entry must not stop the others (the watch goes on)."""
+        try:
+            self._reconcile(url)
+        except Exception:
+            logger.exception("shared registry: could not apply the entries on %s", url)
+
+    def _reconcile(self, url: str) -> None:
         view = shared_view(self._entries.get(url, {}), self.replica)
         local = self._local(url)
         action = decide(view, local, self._learned.get(url))

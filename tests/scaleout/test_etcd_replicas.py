@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 
@@ -120,6 +121,13 @@ async def _status(s: aiohttp.ClientSession, proxy) -> dict:
         return (await r.json())["registry_backend"]
 
 
+async def _until_up(s: aiohttp.ClientSession, proxy, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (await _status(s, proxy))["up"]:
+        assert time.monotonic() < deadline, "the replica did not (re)sync with etcd"
+        await asyncio.sleep(0.05)
+
+
 async def test_heartbeats_to_a_route_on_b_then_expire_everywhere(etcd):
     async with (
         running_sim(SimConfig(role="prefill", model=MODEL)) as p,
@@ -206,13 +214,8 @@ async def test_etcd_outage_loses_no_routing_and_replicas_converge_after(etcd):
         assert statuses and set(statuses) == {200}, statuses
         await etcd.start()
 
-        async def both_up():
-            return all([(await _status(s, x))["up"] for x in (a, b)])
-
-        deadline = time.monotonic() + 10.0
-        while not await both_up():
-            assert time.monotonic() < deadline, "the replicas did not resync"
-            await asyncio.sleep(0.1)
+        await _until_up(s, a)
+        await _until_up(s, b)
         # A change after the restart reaches both.
         assert await _admin(s, b, "add", type="decode", instance=f"127.0.0.1:{d2.port}") == 200
         await _until(lambda: _routable(a, d2.url), timeout=1.0)
@@ -241,3 +244,39 @@ async def test_a_replica_that_never_reached_etcd_serves_and_catches_up(etcd):
             await _until(lambda: _routable(c, d.url), timeout=10.0)
             endpoint = c.state.registry.get(d.url)
             assert endpoint.role is Role.DECODE and endpoint.state is EndpointState.READY
+
+
+async def test_heartbeats_write_nothing_once_known_and_a_clean_stop_frees_the_claims(etcd):
+    """The steady state costs etcd no write (no echo between replicas, no write per
+    heartbeat): the store's revision stays put; a replica that stops revokes its lease, so
+    its claims go at once rather than a TTL later."""
+    dead = ("127.0.0.1", free_port())  # nothing listens: the replicas move to the next member
+    prefix = f"/pdproxy/test-{uuid.uuid4().hex[:8]}/"
+    zmq_port = free_port()
+    config_a = _config(etcd, prefix, zmq_port)
+    shared = SharedRegistryConfig(etcd=(dead, etcd.endpoint), prefix=prefix)
+    config_b = _config(etcd, prefix, None)
+    config_b = dataclasses.replace(
+        config_b, registry=dataclasses.replace(config_b.registry, shared=shared)
+    )
+    async with (
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+        running_proxy(config_b) as b,
+        aiohttp.ClientSession() as s,
+    ):
+        await _until_up(s, b)
+        async with (
+            running_proxy(config_a) as a,
+            heartbeats(f"tcp://127.0.0.1:{zmq_port}", ("P", p), ("D", d)),
+        ):
+            await _until(lambda: _routable(b, p.url) and _routable(b, d.url), timeout=2.0)
+            await asyncio.sleep(2 * BEAT)
+            before = (await _status(s, a))["revision"]
+            await asyncio.sleep(6 * BEAT)
+            status = await _status(s, a)
+            assert status["revision"] == before, "heartbeats or an echo kept writing"
+            assert status["own_claims"] == 2 and (await _status(s, b))["learned_instances"] == 2
+        stopped = time.monotonic()  # A stopped (its heartbeats still sent until now)
+        await _until(lambda: b.state.registry.get(d.url) is None, timeout=TTL)
+        assert time.monotonic() - stopped < TTL / 2
