@@ -236,3 +236,26 @@ async def test_a_removal_elsewhere_drains_here_without_an_echo(view):
     state.registry.get(URL).in_flight = 0
     replica.drained("http://10.0.0.8:8100")
     assert [w.record for w in replica.outbox] == [None]
+
+
+def test_the_flags_reach_the_config_and_a_missing_client_is_a_clear_error(monkeypatch):
+    from pdproxy import cli
+    from pdproxy.discovery import shared
+
+    argv = ["--registry-backend", "etcd://127.0.0.1:2379,[::1]:2380", "--etcd-prefix", "/f/"]
+    config = cli.parse_config(argv, environ={})
+    assert config.registry.shared == SharedRegistryConfig(
+        etcd=(("127.0.0.1", 2379), ("::1", 2380)), prefix="/f/"
+    )
+    assert config.registry.port is None and not config.prefill
+    env = {"PDPROXY_REGISTRY_BACKEND": "etcd://10.1.2.3:2379"}
+    assert cli.parse_config([], environ=env).registry.shared.etcd == (("10.1.2.3", 2379),)
+    assert not cli.parse_config(
+        ["--prefill", "h:1", "--decode", "h:2"], environ={}
+    ).registry.shared.enabled
+
+    monkeypatch.setattr(shared.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"pdproxy\[etcd\]"):
+        shared.require_etcd()
+    with pytest.raises(SystemExit):
+        cli.parse_config(argv, environ={})
