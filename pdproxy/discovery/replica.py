@@ -139,6 +139,8 @@ class ReplicaView:
         on_url.pop(key, None)
         if not on_url:
             self._entries.pop(key.url, None)
+        if key.kind is Kind.SEEN and key.replica == self.replica and key.url in self.own:
+            self._mark(key.url)  # deleted behind its back (its lease lost?): write it again
         self.reconcile(key.url)
 
     def own_in_store(self) -> dict[str, int]:

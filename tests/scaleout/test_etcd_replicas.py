@@ -280,3 +280,26 @@ async def test_heartbeats_write_nothing_once_known_and_a_clean_stop_frees_the_cl
         stopped = time.monotonic()  # A stopped (its heartbeats still sent until now)
         await _until(lambda: b.state.registry.get(d.url) is None, timeout=TTL)
         assert time.monotonic() - stopped < TTL / 2
+
+
+async def test_a_lost_lease_is_replaced_and_its_claims_written_again(etcd):
+    """A's lease revoked behind its back (as when A stalled past its TTL): its claims
+    vanish, B forgets them, and A notices, takes a new lease and writes them again."""
+    import aetcd
+
+    async with (
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+        replicas(etcd) as (a, b, zmq_endpoint, prefix),
+        heartbeats(zmq_endpoint, ("P", p), ("D", d)),
+        aetcd.Client(*etcd.endpoint, timeout=2) as client,
+    ):
+        await _until(lambda: _routable(b, p.url) and _routable(b, d.url), timeout=2.0)
+        leases = {kv.lease for kv in await client.get_prefix(prefix.encode()) if kv.lease}
+        assert len(leases) == 1  # one lease for all of A's heartbeat claims
+        await client.revoke_lease(leases.pop())
+        await _until(lambda: b.state.registry.get(d.url) is None, timeout=1.0)
+        assert _routable(a, d.url)  # A's own routing never depended on etcd
+        await _until(lambda: _routable(b, p.url) and _routable(b, d.url), timeout=3.0)
+        leases = {kv.lease for kv in await client.get_prefix(prefix.encode()) if kv.lease}
+        assert len(leases) == 1

@@ -215,9 +215,13 @@ async def test_own_claims_come_from_heartbeats_and_go_with_their_expiry(view):
     replica.dirty.clear()
     state.membership.heartbeat(registration)
     assert not replica.dirty  # the steady state writes nothing
-    # Its own claim, seen in the store, is never a reason to act.
+    # Its own claim, seen in the store, is never a reason to act; deleted by anything but
+    # this replica (its lease lost), it is written again.
     replica.put(KEYS.seen(URL, "me"), Entry(replica.own[URL], 7))
-    assert state.registry.get(URL).expires_at is not None
+    assert state.registry.get(URL).expires_at is not None and not replica.dirty
+    replica.delete(KEYS.seen(URL, "me"))
+    assert replica.dirty == {URL} and state.registry.get(URL) is not None
+    replica.dirty.clear()
     replica.expired(URL)
     assert URL not in replica.own and replica.dirty == {URL}
 
