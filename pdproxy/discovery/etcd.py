@@ -85,6 +85,7 @@ class EtcdRegistry:
         self._member = 0  # index into config.etcd of the member tried next
         self._up = False
         self._synced_at: float | None = None
+        self._created = clock()
         self._revision = 0
         self._error: str | None = None
         self._first_sync = asyncio.Event()
@@ -131,7 +132,9 @@ class EtcdRegistry:
         return [f"{host}:{port}" for host, port in self._config.etcd]
 
     def _sync_age(self) -> float:
-        return 0.0 if self._synced_at is None else max(0.0, self._clock() - self._synced_at)
+        """Since the last exchange with etcd; before the first, since this replica began."""
+        since = self._created if self._synced_at is None else self._synced_at
+        return max(0.0, self._clock() - since)
 
     def _synced(self, revision: int | None = None) -> None:
         self._synced_at = self._clock()
@@ -174,7 +177,7 @@ class EtcdRegistry:
         try:
             await client.connect()
             await self._open_lease(client)
-            await self._flush(client)
+            await self._flush(client, claims=False)  # removals made meanwhile, before the read
             revision = await self._resync(client)
             watch = await client.watch_prefix(self._prefix, start_revision=revision + 1)
             self._up = True
@@ -268,14 +271,14 @@ class EtcdRegistry:
             self.view.wake.clear()
             await self._flush(client)
 
-    async def _flush(self, client: Any) -> None:
-        """The admin changes in order, then this replica's claims; each is dropped from the
-        queue only once etcd took it."""
+    async def _flush(self, client: Any, *, claims: bool = True) -> None:
+        """The admin changes in order, then (``claims``) this replica's claims; each is
+        dropped from the queue only once etcd took it."""
         view, tx = self.view, client.transactions
         while view.outbox:
             await self._publish(client, view.outbox[0])
             view.outbox.popleft()
-        while view.dirty:
+        while claims and view.dirty:
             url = view.dirty.pop()
             record = view.own.get(url)
             key = self._keys.seen(url, view.replica).encode()
