@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import sys
 import time
 import uuid
 
@@ -303,3 +304,46 @@ async def test_a_lost_lease_is_replaced_and_its_claims_written_again(etcd):
         await _until(lambda: _routable(b, p.url) and _routable(b, d.url), timeout=3.0)
         leases = {kv.lease for kv in await client.get_prefix(prefix.encode()) if kv.lease}
         assert len(leases) == 1
+
+
+async def test_a_killed_replica_s_claims_expire_with_its_lease(etcd, tmp_path):
+    """Replica A as a real process (the CLI, uvloop), killed with SIGKILL: nothing revokes
+    its lease, so its heartbeat claims go when the lease runs out, one TTL later."""
+    http_port, zmq_port = free_port(), free_port()
+    host, port = etcd.endpoint
+    log = (tmp_path / "replica-a.log").open("wb")
+    prefix = f"/pdproxy/test-{uuid.uuid4().hex[:8]}/"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "pdproxy",
+        *("--host", "127.0.0.1", "--port", str(http_port)),
+        *("--registry-host", "127.0.0.1", "--registry-port", str(zmq_port)),
+        *("--registry-ttl", str(TTL), "--registry-backend", f"etcd://{host}:{port}"),
+        *("--etcd-prefix", prefix),
+        stdout=log,
+        stderr=asyncio.subprocess.STDOUT,
+        stdin=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with (
+            running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+            running_sim(SimConfig(role="decode", model=MODEL)) as d,
+            running_proxy(_config(etcd, prefix, None)) as b,
+            heartbeats(f"tcp://127.0.0.1:{zmq_port}", ("P", p), ("D", d)),
+            aiohttp.ClientSession() as s,
+        ):
+            await _until(lambda: _routable(b, p.url) and _routable(b, d.url), timeout=15.0)
+            assert await _complete(s, b) == 200
+            process.kill()
+            await process.wait()
+            killed = time.monotonic()
+            await _until(lambda: b.state.registry.get(d.url) is None, timeout=TTL + 2.0)
+            # The lease's TTL from A's last keep-alive (a third of it before the kill at
+            # most), plus etcd's expiry check (every 0.5 s); never before it could run out.
+            assert TTL * 2 / 3 - 0.2 <= time.monotonic() - killed <= TTL + 1.0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        log.close()
