@@ -194,6 +194,7 @@ async def test_etcd_outage_loses_no_routing_and_replicas_converge_after(etcd):
         running_sim(SimConfig(role="prefill", model=MODEL)) as p,
         running_sim(SimConfig(role="decode", model=MODEL)) as d,
         running_sim(SimConfig(role="decode", model=MODEL)) as d2,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d3,
         replicas(etcd) as (a, b, zmq_endpoint, _),
         aiohttp.ClientSession() as s,
         heartbeats(zmq_endpoint, ("P", p), ("D", d)),
@@ -208,20 +209,27 @@ async def test_etcd_outage_loses_no_routing_and_replicas_converge_after(etcd):
             if not saw_down:
                 status = await _status(s, b)
                 saw_down = status["up"] is False and status["last_error"]
+                if saw_down:  # an admin change during the outage: applied locally at once
+                    add = {"type": "decode", "instance": f"127.0.0.1:{d2.port}"}
+                    assert await _admin(s, a, "add", **add) == 200
+                    assert (await _status(s, a))["pending_writes"] == 1
             await asyncio.sleep(0.05)
         assert saw_down, "B never said etcd was unreachable"
         async with s.get(b.url + "/metrics") as r:
             assert "pdproxy_registry_backend_up 0.0" in await r.text()
         assert statuses and set(statuses) == {200}, statuses
+        assert not _routable(b, d2.url)
         await etcd.start()
 
         await _until_up(s, a)
         await _until_up(s, b)
-        # A change after the restart reaches both.
-        assert await _admin(s, b, "add", type="decode", instance=f"127.0.0.1:{d2.port}") == 200
-        await _until(lambda: _routable(a, d2.url), timeout=1.0)
+        # What A learned during the outage reaches B; a change after the restart reaches A.
+        await _until(lambda: _routable(b, d2.url), timeout=1.0)
+        assert await _admin(s, b, "add", type="decode", instance=f"127.0.0.1:{d3.port}") == 200
+        await _until(lambda: _routable(a, d3.url), timeout=1.0)
         assert _routable(b, p.url) and _routable(b, d.url)
         assert await _complete(s, a) == 200 and await _complete(s, b) == 200
+        assert (await _status(s, a))["pending_writes"] == 0
 
 
 async def test_a_replica_that_never_reached_etcd_serves_and_catches_up(etcd):
