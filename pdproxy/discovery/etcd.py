@@ -7,7 +7,9 @@ queued while etcd was away, a full read of the prefix (applied through ``Replica
 this replica's claims rewritten against what that read showed, and a watch from the read's
 revision on. Heartbeats cost etcd nothing: a claim is written when an instance first
 appears here or changes, deleted when it expires here, and the lease's keep-alive carries
-them all. A replica that stops or loses etcd for a TTL loses its claims with its lease.
+them all. A replica that stops or loses etcd for a TTL loses its claims with its lease; it
+does not revoke it when it stops cleanly, so the claims bridge the engines' reconnection to
+another replica (their next heartbeat) instead of leaving a gap in every replica's fleet.
 
 When etcd is unreachable, the session ends, the registry keeps the membership it last saw
 (``pdproxy_registry_backend_up`` 0, ``/status`` says so), and a new session is tried with
@@ -193,9 +195,6 @@ class EtcdRegistry:
                 len(self.view.own),
             )
             await _first_failure(self._keepalive(client), self._watch(watch), self._writer(client))
-        except asyncio.CancelledError:
-            await self._revoke(client)  # stopping: this replica's claims go at once
-            raise
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), _RPC_TIMEOUT)
@@ -308,13 +307,6 @@ class EtcdRegistry:
                 tx.delete(members, range_end=prefix_range_end(members)),
             ]
         await client.transaction(compare=[], success=ops, failure=[])
-
-    async def _revoke(self, client: Any) -> None:
-        if self._lease is None:
-            return
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(client.revoke_lease(self._lease), 1.0)
-        self._lease = None
 
 
 async def _first_failure(*jobs: Any) -> None:

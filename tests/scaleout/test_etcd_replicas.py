@@ -255,16 +255,16 @@ async def test_a_replica_that_never_reached_etcd_serves_and_catches_up(etcd):
             assert endpoint.role is Role.DECODE and endpoint.state is EndpointState.READY
 
 
-async def test_heartbeats_write_nothing_once_known_and_a_clean_stop_frees_the_claims(etcd):
+async def test_no_write_per_heartbeat_and_a_stopped_replica_hands_over_without_a_gap(etcd):
     """The steady state costs etcd no write (no echo between replicas, no write per
-    heartbeat): the store's revision stays put; a replica that stops revokes its lease, so
-    its claims go at once rather than a TTL later."""
+    heartbeat): the store's revision stays put. Replica A stops (a rolling update): its
+    claims outlive it by its lease, the engines' heartbeats move to a new replica half a
+    second later, and B routes to them throughout."""
     dead = ("127.0.0.1", free_port())  # nothing listens: the replicas move to the next member
     prefix = f"/pdproxy/test-{uuid.uuid4().hex[:8]}/"
-    zmq_port = free_port()
-    config_a = _config(etcd, prefix, zmq_port)
-    shared = SharedRegistryConfig(etcd=(dead, etcd.endpoint), prefix=prefix)
+    zmq_a, zmq_new = free_port(), free_port()
     config_b = _config(etcd, prefix, None)
+    shared = SharedRegistryConfig(etcd=(dead, etcd.endpoint), prefix=prefix)
     config_b = dataclasses.replace(
         config_b, registry=dataclasses.replace(config_b.registry, shared=shared)
     )
@@ -272,12 +272,13 @@ async def test_heartbeats_write_nothing_once_known_and_a_clean_stop_frees_the_cl
         running_sim(SimConfig(role="prefill", model=MODEL)) as p,
         running_sim(SimConfig(role="decode", model=MODEL)) as d,
         running_proxy(config_b) as b,
+        running_proxy(_config(etcd, prefix, zmq_new)) as new,
         aiohttp.ClientSession() as s,
     ):
         await _until_up(s, b)
         async with (
-            running_proxy(config_a) as a,
-            heartbeats(f"tcp://127.0.0.1:{zmq_port}", ("P", p), ("D", d)),
+            running_proxy(_config(etcd, prefix, zmq_a)) as a,
+            heartbeats(f"tcp://127.0.0.1:{zmq_a}", ("P", p), ("D", d)),
         ):
             await _until(lambda: _routable(b, p.url) and _routable(b, d.url), timeout=2.0)
             await asyncio.sleep(2 * BEAT)
@@ -286,9 +287,25 @@ async def test_heartbeats_write_nothing_once_known_and_a_clean_stop_frees_the_cl
             status = await _status(s, a)
             assert status["revision"] == before, "heartbeats or an echo kept writing"
             assert status["own_claims"] == 2 and (await _status(s, b))["learned_instances"] == 2
-        stopped = time.monotonic()  # A stopped (its heartbeats still sent until now)
-        await _until(lambda: b.state.registry.get(d.url) is None, timeout=TTL)
-        assert time.monotonic() - stopped < TTL / 2
+        gaps = []
+
+        async def watch_b():
+            while True:
+                if not (_routable(b, p.url) and _routable(b, d.url)):
+                    gaps.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch_b())
+        try:
+            await asyncio.sleep(0.5)  # the engines reconnect to another replica
+            async with heartbeats(f"tcp://127.0.0.1:{zmq_new}", ("P", p), ("D", d)):
+                await asyncio.sleep(TTL + 1.0)  # past the end of A's lease
+                assert (await _status(s, new))["own_claims"] == 2
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        assert not gaps, f"B lost the engines for {gaps[-1] - gaps[0]:.2f} s"
+        assert await _complete(s, b) == 200
 
 
 async def test_a_lost_lease_is_replaced_and_its_claims_written_again(etcd):
