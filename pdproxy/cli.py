@@ -25,9 +25,12 @@ from pdproxy.config import (
     ProxyConfig,
     RegistryConfig,
     RetryConfig,
+    SharedRegistryConfig,
     Timeouts,
     parse_engine_url,
+    parse_registry_backend,
 )
+from pdproxy.discovery.shared import require_etcd
 from pdproxy.errors import ConfigError
 from pdproxy.flags import build_parser
 from pdproxy.log import configure_logging
@@ -242,6 +245,9 @@ def _registry(a: argparse.Namespace) -> RegistryConfig:
         ttl=a.registry_ttl,
         allow_cidrs=tuple(a.registry_allow_cidr or ()),
         max_message_bytes=a.registry_max_message_bytes,
+        shared=SharedRegistryConfig(
+            etcd=parse_registry_backend(a.registry_backend), prefix=a.etcd_prefix
+        ),
     )
 
 
@@ -272,6 +278,8 @@ def parse_config(
         if config.otlp_traces_endpoint is not None:
             traces_url(config.otlp_traces_endpoint)
             require_otel()
+        if config.registry.shared.enabled:
+            require_etcd()
         return config
     except ConfigError as exc:
         parser.error(str(exc))

@@ -287,6 +287,36 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SharedRegistryConfig:
+    """``--registry-backend``: where replicas share their registry. No ``etcd`` endpoints
+    (the default) keeps it in-process, as a single replica's own."""
+
+    etcd: tuple[tuple[str, int], ...] = ()  # (host, port) of each etcd member, tried in turn
+    prefix: str = "/pdproxy/default/"  # --etcd-prefix: every key lives under it
+
+    def __post_init__(self) -> None:
+        if not self.prefix.startswith("/") or not self.prefix.endswith("/") or "//" in self.prefix:
+            raise ConfigError("--etcd-prefix must be an absolute path ending in '/'")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.etcd)
+
+
+def parse_registry_backend(text: str | None) -> tuple[tuple[str, int], ...]:
+    """``--registry-backend``: ``in-process`` (or nothing), or
+    ``etcd://host:port[,host:port...]``; returns the etcd endpoints, () for in-process."""
+    if text is None or text.strip() in ("", "in-process"):
+        return ()
+    scheme, sep, rest = text.strip().partition("://")
+    if not sep or scheme != "etcd" or not rest:
+        raise ConfigError(
+            f"--registry-backend {text!r}: use in-process or etcd://host:port[,host:port...]"
+        )
+    return tuple(parse_host_port(part.strip()) for part in rest.rstrip("/").split(","))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RegistryConfig:
     """The ZMQ registration socket; ``port=None`` keeps it off."""
 
@@ -296,6 +326,7 @@ class RegistryConfig:
     sweep_interval: float = 1.0
     max_message_bytes: int = 64 * 1024
     allow_cidrs: tuple[str, ...] = ()  # networks heartbeats may come from; () = any
+    shared: SharedRegistryConfig = field(default_factory=SharedRegistryConfig)
 
     def __post_init__(self) -> None:
         if self.port is not None and not 1 <= self.port <= 65535:
@@ -355,8 +386,15 @@ class ProxyConfig:
         if self.kv_connector not in KV_CONNECTORS:
             names = ", ".join(sorted(KV_CONNECTORS))
             raise ConfigError(f"unknown --kv-connector {self.kv_connector!r}; choose from {names}")
-        if self.registry.port is None and not (self.prefill and self.decode):
-            raise ConfigError("give at least one --prefill and one --decode (or --registry-port)")
+        if (
+            self.registry.port is None
+            and not self.registry.shared.enabled
+            and not (self.prefill and self.decode)
+        ):
+            raise ConfigError(
+                "give at least one --prefill and one --decode (or --registry-port, or a shared"
+                " --registry-backend)"
+            )
         if self.max_body_bytes <= 0:
             raise ConfigError("--max-body-bytes must be positive")
         if not 0 <= self.port <= 65535:

@@ -399,6 +399,18 @@ def _registry_flags(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="Seconds after its last heartbeat a registered instance is forgotten.",
     )
+    p.add_argument(
+        "--registry-backend",
+        default="in-process",
+        metavar="BACKEND",
+        help="Where the registry lives: in-process, or etcd://host:port[,host:port...] to share"
+        " it with every replica on the same etcd (pip install 'pdproxy[etcd]'; docs/scale-out.md).",
+    )
+    p.add_argument(
+        "--etcd-prefix",
+        default="/pdproxy/default/",
+        help="Key prefix of this fleet's shared registry in etcd (one per fleet).",
+    )
 
 
 def _admin_flags(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,11 @@ and whatever the connector must learn from it (Mooncake's engine ids); under
 ``--warm-pairs`` it then warms a few P/D pairs with its peers (``pdproxy.warmup``). Probes
 run on the event loop in the background; a sweep timer expires, re-probes and finishes
 drains.
+
+Observers (``observe``) hear what this process learns by itself: heartbeats, admin
+additions and removals, expiries. The shared registry (``pdproxy.discovery.etcd``) is one:
+it publishes them, and admits what other replicas publish through ``learn``, ``forget``
+and ``drain(announce=False)``, which observers do not hear, so nothing echoes back.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from pdproxy.config import ProxyConfig
 from pdproxy.connectors import KVConnector
@@ -30,6 +35,22 @@ from pdproxy.types import Endpoint, EndpointState, EngineAddress, ProbeState, Ro
 from pdproxy.warmup import PairWarmer
 
 logger = logging.getLogger(__name__)
+
+
+class MembershipObserver(Protocol):
+    """What this process learned by itself (never what it was told through ``learn``)."""
+
+    def heard(self, endpoint: Endpoint) -> None:
+        """A heartbeat was accepted for this registered instance (every one of them)."""
+
+    def added(self, endpoint: Endpoint) -> None:
+        """The admin API added it."""
+
+    def drained(self, url: str) -> None:
+        """The admin API removed it (it drains)."""
+
+    def expired(self, url: str) -> None:
+        """Its heartbeats stopped for a TTL: it left the registry."""
 
 
 class Membership:
@@ -58,6 +79,7 @@ class Membership:
         self._probes: dict[str, asyncio.Task[None]] = {}
         self._retired: dict[str, float] = {}  # url -> until when its heartbeats are ignored
         self._sweeper: asyncio.Task[None] | None = None
+        self._observers: list[MembershipObserver] = []
         self._warmer = PairWarmer(
             config.health, registry=registry, client=client, connector=connector, model=config.model
         )
@@ -102,6 +124,11 @@ class Membership:
             )
             logger.info("registered %s %s (%s)", registration.role.value, url, registration.format)
         self._registry.touch(url, self._config.registry.ttl, self._wall_clock())
+        if self._observers:
+            endpoint = self._registry.get(url)
+            if endpoint is not None:
+                for observer in self._observers:
+                    observer.heard(endpoint)
         return "accepted"
 
     async def add_admin(self, role: Role, address: EngineAddress) -> Endpoint:
@@ -130,10 +157,13 @@ class Membership:
         endpoint.state = EndpointState.READY
         self._registry.add(endpoint)
         logger.info("admin added %s %s", role.value, address.url)
+        for observer in self._observers:
+            observer.added(endpoint)
         return endpoint
 
-    def drain(self, url: str) -> Endpoint:
-        """No new requests for ``url``; it leaves the registry once its in-flight legs end."""
+    def drain(self, url: str, *, announce: bool = True) -> Endpoint:
+        """No new requests for ``url``; it leaves the registry once its in-flight legs end.
+        ``announce=False``: another replica's removal, applied here (observers don't hear)."""
         endpoint = self._registry.get(url)
         if endpoint is None:
             raise AdminError(404, "no such instance")
@@ -141,8 +171,44 @@ class Membership:
         if endpoint.source is Source.REGISTERED:
             self._retired[url] = self._clock() + self._config.registry.ttl
         logger.info("draining %s (%d in flight)", url, endpoint.in_flight)
+        if announce:
+            for observer in self._observers:
+                observer.drained(url)
         self._finish_drains()
         return endpoint
+
+    # -- the shared registry -------------------------------------------------------------
+
+    def observe(self, observer: MembershipObserver) -> None:
+        self._observers.append(observer)
+
+    def learn(self, role: Role, address: EngineAddress, source: Source) -> Endpoint | None:
+        """Admit (or replace) an instance another replica announced, through the same
+        checks as any other source; it never expires here (its claim's lease is its TTL,
+        ``forget`` drops it). None when refused: another transfer mode, or a registered
+        instance this replica retired."""
+        url = address.url
+        if source is Source.REGISTERED and self._retired.get(url, 0.0) > self._clock():
+            return None
+        if not self._mode_matches(address):
+            self._log.warning(
+                "mode:" + url,
+                "refused shared %s: transfer mode %s, deployment uses %s",
+                url,
+                address.transfer_mode,
+                self.transfer_mode,
+            )
+            return None
+        self._retired.pop(url, None)
+        endpoint = Endpoint(role=role, address=address, source=source)
+        self._admit(endpoint)
+        logger.info("learned %s %s (%s) from the shared registry", role.value, url, source.value)
+        return endpoint
+
+    def forget(self, url: str) -> None:
+        """Drop an instance learned from the shared registry: no replica claims it any more."""
+        if self._registry.remove(url) is not None:
+            logger.info("forgot %s: no replica announces it any more", url)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -171,6 +237,8 @@ class Membership:
                 endpoint.url,
                 self._config.registry.ttl,
             )
+            for observer in self._observers:
+                observer.expired(endpoint.url)
         self._finish_drains()
         now = self._clock()
         self._retired = {u: t for u, t in self._retired.items() if t > now}

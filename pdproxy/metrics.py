@@ -26,6 +26,32 @@ class ProxyMetrics:
         self._define_fleet(registry)
         self._define_resilience(registry)
         self._define_admission(registry)
+        self._define_registry_backend(registry)
+
+    def _define_registry_backend(self, registry: CollectorRegistry) -> None:
+        """--registry-backend: the shared registry (etcd) replicas build their own from."""
+        self.registry_backend_up = Gauge(
+            "pdproxy_registry_backend_up",
+            "1 while the registry backend is reachable and in sync (always 1 in-process); 0"
+            " while etcd is unreachable and the last membership seen is served.",
+            registry=registry,
+        )
+        self.registry_backend_up.set(1)
+        self.registry_backend_sync_age = Gauge(
+            "pdproxy_registry_backend_sync_age_seconds",
+            "Seconds since the last successful exchange with the registry backend (0 in-process).",
+            registry=registry,
+        )
+        self.registry_backend_resyncs = Counter(
+            "pdproxy_registry_backend_resyncs_total",
+            "Full reconciles with the registry backend: the first, and one after each outage.",
+            registry=registry,
+        )
+        self.registry_backend_pending = Gauge(
+            "pdproxy_registry_backend_pending_writes",
+            "What this replica learned and has not yet written to the registry backend.",
+            registry=registry,
+        )
 
     def _define_requests(self, registry: CollectorRegistry) -> None:
         """Client requests and their legs."""

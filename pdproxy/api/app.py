@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -27,6 +27,7 @@ from pdproxy.api.passthrough import PassthroughEndpoint
 from pdproxy.api.state import AppState
 from pdproxy.config import ProxyConfig, RetryConfig
 from pdproxy.connectors import KVConnector, load_connector
+from pdproxy.discovery.shared import require_etcd
 from pdproxy.discovery.zmq import ZmqRegistry
 from pdproxy.engine_client import EngineClient
 from pdproxy.errors import ConfigError, ProxyError
@@ -56,6 +57,9 @@ from pdproxy.workers.spec import WorkerSpec
 # owner probes the instance first, within the probe pool's timeouts).
 _ADMIN_TIMEOUT = 60.0
 
+if TYPE_CHECKING:  # imported at run time only under --registry-backend etcd://
+    from pdproxy.discovery.etcd import EtcdRegistry
+
 
 def create_app(
     config: ProxyConfig,
@@ -80,7 +84,12 @@ def create_app(
     if worker is not None:
         _follow_owner(state, worker)
     dashboard = Dashboard(state, clock) if config.dashboard else None
-    services = Services(state, registry, dashboard)
+    # the shared registry runs in the process that owns the membership; workers show its
+    # status as the owner publishes it
+    shared = _shared_registry(config, state) if worker is None else None
+    if shared is not None:
+        state.registry_backend = shared.status
+    services = Services(state, registry, dashboard, shared)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -114,6 +123,7 @@ def _follow_owner(state: AppState, worker: WorkerSpec) -> None:
         max_age=state.loads.max_age,
         admin_timeout=_ADMIN_TIMEOUT + config.health.warm_timeout,
     )
+    state.registry_backend = state.owner_link.backend_status
     state.exposition = exposition_registry(
         worker.run_dir.metrics, state.registry, state.metrics.registry
     )
@@ -142,16 +152,37 @@ def _mount(
     app.add_exception_handler(ProxyError, _proxy_error)
 
 
+def _shared_registry(config: ProxyConfig, state: AppState) -> EtcdRegistry | None:
+    """--registry-backend etcd://: the replicas' shared registry (imported only then)."""
+    if not config.registry.shared.enabled:
+        return None
+    require_etcd()
+    from pdproxy.discovery.etcd import EtcdRegistry
+
+    return EtcdRegistry(
+        config.registry.shared,
+        registry_ttl=config.registry.ttl,
+        membership=state.membership,
+        registry=state.registry,
+        metrics=state.metrics,
+    )
+
+
 class Services:
     """The parts that run beside the requests, started before the first one arrives and
     stopped, in reverse, after the last."""
 
     def __init__(
-        self, state: AppState, registry: ZmqRegistry | None, dashboard: Dashboard | None
+        self,
+        state: AppState,
+        registry: ZmqRegistry | None,
+        dashboard: Dashboard | None,
+        shared: EtcdRegistry | None = None,
     ) -> None:
         self._state = state
         self._registry = registry
         self._dashboard = dashboard
+        self._shared = shared
 
     async def start(self) -> None:
         # Open the upstream pools, admit the static instances, start the sweeper and the
@@ -183,6 +214,8 @@ class Services:
         state.health.start()
         state.loads.start()
         state.membership.start()
+        if self._shared is not None:  # the fleet other replicas know, before heartbeats
+            await self._shared.start()
         if self._registry is not None:
             self._registry.start()
 
@@ -210,6 +243,8 @@ class Services:
         state = self._state
         if self._registry is not None:
             await self._registry.aclose()
+        if self._shared is not None:
+            await self._shared.aclose()
         await state.health.aclose()
         await state.loads.aclose()
         await state.membership.aclose()

@@ -58,6 +58,11 @@ async def status(request: Request) -> Response:
         "prefill_nodes": prefill,
         "decode_nodes": decode,
         "instances": [describe(e, state.outliers, now=now) for e in endpoints],
+        "registry_backend": (
+            {"backend": "in-process", "up": True}
+            if state.registry_backend is None
+            else state.registry_backend()
+        ),
     }
     if state.owner_link is not None:  # --workers: which one answered (in_flight is its own)
         spec = state.owner_link.spec

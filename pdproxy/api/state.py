@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -54,3 +55,5 @@ class AppState:
     owner_link: OwnerLink | None = None
     exposition: CollectorRegistry | None = None
     worker_gauges: WorkerGauges | None = None
+    # --registry-backend etcd://: the shared registry's state for /status; None in-process
+    registry_backend: Callable[[], dict[str, Any]] | None = None

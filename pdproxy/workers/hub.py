@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -29,6 +30,7 @@ from pdproxy.registry import EndpointRegistry
 from pdproxy.types import Endpoint, Role
 from pdproxy.workers.snapshot import (
     EndpointRecord,
+    Snapshot,
     address_from,
     encode_snapshot,
     pack,
@@ -50,9 +52,11 @@ class MembershipHub:
         registry: EndpointRegistry,
         membership: Membership,
         run_dir: RunDir,
+        backend: Callable[[], dict[str, Any]] | None = None,
         period: float = _PERIOD,
     ) -> None:
         self._registry = registry
+        self._backend = backend  # the shared registry's status (--registry-backend etcd://)
         self._membership = membership
         self._run_dir = run_dir
         self._period = period
@@ -88,9 +92,13 @@ class MembershipHub:
         self._dirty = False
         self.seq += 1
         if self._pub is not None:
-            raw = encode_snapshot(snapshot_of(self.seq, self._registry.all()))
+            raw = encode_snapshot(self._snapshot())
             self._pub.send(raw, flags=zmq.NOBLOCK)  # a PUB never blocks; slow peers drop
         return self.seq
+
+    def _snapshot(self) -> Snapshot:
+        backend = None if self._backend is None else self._backend()
+        return snapshot_of(self.seq, self._registry.all(), backend)
 
     def _changed(self) -> None:
         if not self._dirty:
@@ -143,7 +151,7 @@ class MembershipHub:
         op = request["op"]
         if op == "snapshot":
             self.seq += 1
-            raw = encode_snapshot(snapshot_of(self.seq, self._registry.all()))
+            raw = encode_snapshot(self._snapshot())
             return {"ok": True, "seq": self.seq, "snapshot": raw}
         endpoint: Endpoint
         if op == "add":

@@ -78,6 +78,11 @@ class OwnerLink:
         self._tasks: list[asyncio.Task[None]] = []
         self._applied = asyncio.Event()
         self.seq = 0
+        self.backend: dict[str, Any] | None = None  # the owner's shared-registry status
+
+    def backend_status(self) -> dict[str, Any]:
+        """The shared registry's status as the owner last published it (for /status)."""
+        return self.backend or {"backend": "in-process", "up": True}
 
     async def start(self) -> None:
         control = self._context.socket(zmq.DEALER)
@@ -196,6 +201,7 @@ class OwnerLink:
             else:
                 self._registry.remove(endpoint.url)
         self.seq = snapshot.seq
+        self.backend = snapshot.backend
         self._applied.set()
 
     def _apply_one(self, record: EndpointRecord) -> None:

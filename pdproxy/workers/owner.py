@@ -28,7 +28,10 @@ class MembershipOwner:
         self.state: AppState = app.state.pdproxy
         self._services: Services = app.state.services
         self.hub = MembershipHub(
-            registry=self.state.registry, membership=self.state.membership, run_dir=run_dir
+            registry=self.state.registry,
+            membership=self.state.membership,
+            run_dir=run_dir,
+            backend=self.state.registry_backend,
         )
 
     async def start(self) -> None:

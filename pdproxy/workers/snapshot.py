@@ -77,10 +77,15 @@ class EndpointRecord:
 class Snapshot:
     seq: int
     endpoints: tuple[EndpointRecord, ...]
+    # --registry-backend etcd://: the owner's shared-registry status for /status; None
+    # in-process
+    backend: dict[str, Any] | None = None
 
 
-def snapshot_of(seq: int, endpoints: Iterable[Endpoint]) -> Snapshot:
-    return Snapshot(seq, tuple(EndpointRecord.of(e) for e in endpoints))
+def snapshot_of(
+    seq: int, endpoints: Iterable[Endpoint], backend: dict[str, Any] | None = None
+) -> Snapshot:
+    return Snapshot(seq, tuple(EndpointRecord.of(e) for e in endpoints), backend)
 
 
 # -- encoding ------------------------------------------------------------------------------
@@ -102,13 +107,24 @@ def unpack(raw: bytes) -> dict[str, Any]:
 
 
 def encode_snapshot(snapshot: Snapshot) -> bytes:
-    return pack({"seq": snapshot.seq, "endpoints": [record_dict(r) for r in snapshot.endpoints]})
+    message: dict[str, Any] = {
+        "seq": snapshot.seq,
+        "endpoints": [record_dict(r) for r in snapshot.endpoints],
+    }
+    if snapshot.backend is not None:
+        message["backend"] = snapshot.backend
+    return pack(message)
 
 
 def decode_snapshot(raw: bytes) -> Snapshot:
     message = unpack(raw)
     try:
-        return Snapshot(int(message["seq"]), tuple(record_from(d) for d in message["endpoints"]))
+        backend = message.get("backend")
+        if backend is not None and not isinstance(backend, dict):
+            raise ValueError("a snapshot's backend must be a map")
+        return Snapshot(
+            int(message["seq"]), tuple(record_from(d) for d in message["endpoints"]), backend
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed snapshot: {exc!r}") from exc
 
