@@ -35,12 +35,15 @@ class ProxyMetrics:
             "1 while the registry backend is reachable and in sync (always 1 in-process); 0"
             " while etcd is unreachable and the last membership seen is served.",
             registry=registry,
+            # --workers: the owner's own and the workers' copies of it (pdproxy.workers.multiproc)
+            multiprocess_mode="livemin",
         )
         self.registry_backend_up.set(1)
         self.registry_backend_sync_age = Gauge(
             "pdproxy_registry_backend_sync_age_seconds",
             "Seconds since the last successful exchange with the registry backend (0 in-process).",
             registry=registry,
+            multiprocess_mode="livemax",  # --workers: the workers' copies (the owner's is 0)
         )
         self.registry_backend_resyncs = Counter(
             "pdproxy_registry_backend_resyncs_total",
@@ -51,6 +54,7 @@ class ProxyMetrics:
             "pdproxy_registry_backend_pending_writes",
             "What this replica learned and has not yet written to the registry backend.",
             registry=registry,
+            multiprocess_mode="livemax",  # --workers: the workers' copies (the owner's is 0)
         )
 
     def _define_requests(self, registry: CollectorRegistry) -> None:

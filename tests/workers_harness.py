@@ -117,8 +117,11 @@ async def workers_tree(
     register: bool = False,
     decode_tps: float = 0.0,
     extra: tuple[str, ...] = (),
+    ready: str = "/ready",
 ) -> AsyncIterator[Tree]:
-    """Sims on this loop, ``pdproxy --workers N`` as a process tree on a free port."""
+    """Sims on this loop, ``pdproxy --workers N`` as a process tree on a free port, awaited
+    until ``ready`` answers 200 and every worker has started (``/health`` for a tree with
+    no instance yet, which is not ready)."""
     registry_port = free_port() if register else None
     sim: dict[str, Any] = dict(connector="nixl", model=MODEL, strict=True)
     if registry_port is not None:
@@ -150,20 +153,20 @@ async def workers_tree(
         proc = stack.enter_context(process(args, str(log)))
         tree = Tree(f"http://127.0.0.1:{port}", proc, prefills, decodes, registry_port, log)
         try:
-            await _until_ready(tree, workers)
+            await _until_ready(tree, workers, ready)
             yield tree
         finally:
             for session in tree.sessions:
                 await session.close()
 
 
-async def _until_ready(tree: Tree, workers: int) -> None:
+async def _until_ready(tree: Tree, workers: int, ready: str) -> None:
     deadline = time.monotonic() + 30
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             assert tree.proc.poll() is None, tree.log.read_text()[-3000:]
             with contextlib.suppress(aiohttp.ClientError):
-                async with s.get(tree.url + "/ready") as r:
+                async with s.get(tree.url + ready) as r:
                     if r.status == 200 and len(tree.worker_pids()) == workers:
                         await _until_all_started(tree)
                         return

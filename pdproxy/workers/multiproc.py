@@ -14,9 +14,14 @@ supervisor removes a dead worker's live gauges (``mark_process_dead``).
 Two single-process shortcuts do not exist in multiprocess mode, so a worker makes up for them
 every ``_SAMPLE`` seconds and before it answers a scrape (``WorkerGauges``): gauges read at
 scrape time (``set_function``: in-flight requests, queue depth) are written to the files,
-and so are the per-instance leg counts. Series cannot be removed from the files either, so
-the exposition drops the per-instance series (those with a ``url`` label) of instances that
-are no longer in the fleet, as a single process removes them.
+and so are the per-instance leg counts and the shared registry's figures
+(``--registry-backend``) as the owner's last snapshot carried them: the owner's own sync
+age and pending writes are read at scrape time, so they never reach its files; each
+worker's copy does (a snapshot period and a sample old at most), and
+``pdproxy_registry_backend_up`` takes the live processes' minimum, the owner's own value
+included. Series cannot be removed from the files either, so the exposition drops the
+per-instance series (those with a ``url`` label) of instances that are no longer in the
+fleet, as a single process removes them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.metrics_core import Metric
@@ -88,8 +94,10 @@ class WorkerGauges:
         metrics: ProxyMetrics,
         registry: EndpointRegistry,
         refresh: Callable[[], None],
+        backend: Callable[[], dict[str, Any]],
     ) -> None:
         self._metrics = metrics
+        self._backend = backend  # the shared registry's status, as the owner published it
         self._registry = registry
         self._refresh = refresh  # Membership.refresh_gauges: counts, health, ejection
         self._legs = Gauge(
@@ -114,6 +122,7 @@ class WorkerGauges:
         self._refresh()
         for gauge in (self._metrics.in_flight, self._metrics.queue_depth):
             gauge.set(_read(gauge))
+        self._write_backend()
         seen = set()
         for endpoint in self._registry.all():
             labels = (endpoint.role.value, endpoint.url)
@@ -123,6 +132,12 @@ class WorkerGauges:
             self._legs.labels(*labels).set(0)
             self._legs.remove(*labels)
         self._labels = seen
+
+    def _write_backend(self) -> None:
+        status, metrics = self._backend(), self._metrics
+        metrics.registry_backend_up.set(1 if status.get("up") else 0)
+        metrics.registry_backend_sync_age.set(float(status.get("sync_age_s") or 0.0))
+        metrics.registry_backend_pending.set(float(status.get("pending_writes") or 0))
 
     async def _run(self) -> None:
         while True:

@@ -29,6 +29,7 @@ from pdproxy.workers.snapshot import (
     Snapshot,
     decode_snapshot,
     encode_snapshot,
+    pack,
     snapshot_of,
 )
 from pdproxy.workers.spec import RunDir, WorkerSpec
@@ -55,6 +56,34 @@ def test_a_snapshot_survives_the_wire():
     snapshot = snapshot_of(7, [prefill, decode])
     assert decode_snapshot(encode_snapshot(snapshot)) == snapshot
     assert snapshot.endpoints[1].load == load and snapshot.endpoints[1].probe_failures == 3
+
+
+def test_a_snapshot_carries_the_owners_shared_registry_status_or_none():
+    backend = {"backend": "etcd", "up": False, "endpoints": ["127.0.0.1:2379"], "revision": 9}
+    backend |= {"sync_age_s": 1.5, "last_error": "unavailable", "pending_writes": 2}
+    with_backend = snapshot_of(4, [_endpoint(D)], backend)
+    assert decode_snapshot(encode_snapshot(with_backend)) == with_backend
+    in_process = snapshot_of(5, [_endpoint(D)])
+    raw = encode_snapshot(in_process)
+    assert b"backend" not in raw  # an in-process owner sends no key at all
+    assert decode_snapshot(raw).backend is None
+
+
+@pytest.mark.parametrize("backend", [[1, 2], "etcd", 1, True])
+def test_a_snapshot_whose_backend_is_not_a_map_is_a_value_error(backend):
+    raw = pack({"seq": 1, "endpoints": [], "backend": backend})
+    with pytest.raises(ValueError, match="backend must be a map"):
+        decode_snapshot(raw)
+
+
+def test_a_worker_shows_the_backend_of_the_snapshot_it_applied_last(follower):
+    link = follower[0]
+    assert link.backend_status() == {"backend": "in-process", "up": True}
+    link.apply(Snapshot(1, (), {"backend": "etcd", "up": True}))
+    link.apply(Snapshot(2, (), {"backend": "etcd", "up": False}))
+    assert link.backend_status() == {"backend": "etcd", "up": False}
+    link.apply(Snapshot(1, (), {"backend": "etcd", "up": True}))  # an old number: ignored
+    assert link.backend_status()["up"] is False
 
 
 @pytest.mark.parametrize("raw", [b"", b"\xc1", b"\x93\x01\x02\x03", b"\x81\xa3seq\x01"])
