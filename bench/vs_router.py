@@ -1,0 +1,155 @@
+"""pdproxy beside vllm-router (the Rust router) in front of the same 1P1D sims, in one run.
+
+    python -m bench.vs_router --router /tmp/vr-venv/bin/vllm-router [--rev REV] [--rounds 3]
+
+Per scenario (``short``: 32 concurrent 16-token streams as fast as possible; ``stream``: 64
+concurrent 128-token streams at 200 tokens/s), it warms every path up, then runs rounds; in
+each round the load goes to the decode directly, then through each proxy in turn (pdproxy
+from this checkout, pdproxy at git revision ``--rev`` if given, vllm-router), so all of them
+see the same machine state. Reported per proxy: CPU per request (user + system of the whole
+process, every thread, from /proc), TTFT p50/p99 over all rounds, and the TTFT it adds over
+the direct connection measured in the same rounds. The figures issue 12 compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from bench import load
+from bench.procs import cpu_seconds, process, proxy_args, sim_args, wait_healthy
+from bench.run import _checkout
+from engines.ports import free_ports
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    concurrency: int
+    max_tokens: int
+    decode_tps: float
+    total: int
+
+
+CASES = {
+    "short": Case("short: 32 concurrent, 16 tokens", 32, 16, 0, 4000),
+    "stream": Case("stream: 64 concurrent, 128 tokens @200 tok/s", 64, 128, 200, 1280),
+}
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    pid: int = 0  # 0: the direct connection, no proxy CPU to read
+    cpu: float = 0.0
+    requests: int = 0
+    errors: int = 0
+    ttft: list[float] = field(default_factory=list)
+
+    def add(self, result: load.Result, cpu: float) -> None:
+        self.cpu += cpu
+        self.requests += result.requests
+        self.errors += result.errors
+        self.ttft.extend(result.ttft)
+
+    def ttft_ms(self, q: float) -> float:
+        ordered = sorted(self.ttft)
+        return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def router_args(router: str, port: int, prefill: str, decode: str, metrics_port: int) -> list[str]:
+    return [
+        router,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        prefill,
+        "--decode",
+        decode,
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warning",
+        "--prometheus-port",
+        str(metrics_port),
+    ]
+
+
+@contextlib.contextmanager
+def _servers(
+    case: Case, logdir: str, router: str | None, checkout: str | None
+) -> Iterator[list[Target]]:
+    p_port, d_port, x_port, r_port, m_port, k_port = free_ports(6)
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process(sim_args(p_port, "prefill", case.decode_tps), f"{logdir}/p"))
+        stack.enter_context(process(sim_args(d_port, "decode", case.decode_tps), f"{logdir}/d"))
+        targets = [Target("direct", d_url)]
+        proxy = stack.enter_context(process(proxy_args(x_port, p_url, d_url), f"{logdir}/x"))
+        targets.append(Target("pdproxy", f"http://127.0.0.1:{x_port}", proxy.pid))
+        if checkout is not None:
+            command = ["env", "-C", checkout, f"PYTHONPATH={checkout}"]
+            command += proxy_args(k_port, p_url, d_url)
+            other = stack.enter_context(process(command, f"{logdir}/k"))
+            targets.append(Target("pdproxy@rev", f"http://127.0.0.1:{k_port}", other.pid))
+        if router is not None:
+            args = router_args(router, r_port, p_url, d_url, m_port)
+            rust = stack.enter_context(process(args, f"{logdir}/r"))
+            targets.append(Target("vllm-router", f"http://127.0.0.1:{r_port}", rust.pid))
+        yield targets
+
+
+async def measure(case: Case, rounds: int, router: str | None, checkout: str | None) -> None:
+    with tempfile.TemporaryDirectory() as logdir, _servers(case, logdir, router, checkout) as ts:
+        for t in ts:
+            await wait_healthy(t.url, timeout=60)
+        shape = dict(concurrency=case.concurrency, max_tokens=case.max_tokens)
+        for t in ts:
+            await load.run(t.url, total=400, **shape)
+        for _ in range(rounds):
+            for t in ts:
+                before = cpu_seconds(t.pid) if t.pid else 0.0
+                result = await load.run(t.url, total=case.total, **shape)
+                t.add(result, (cpu_seconds(t.pid) - before) if t.pid else 0.0)
+    _report(case, ts)
+
+
+def _report(case: Case, targets: list[Target]) -> None:
+    direct = targets[0]
+    print(f"\n{case.name} ({direct.requests} requests per target)")
+    print("| target | CPU/request | TTFT p50 | TTFT p99 | added p50 | added p99 | errors |")
+    print("|---|---|---|---|---|---|---|")
+    for t in targets:
+        p50, p99 = t.ttft_ms(0.5), t.ttft_ms(0.99)
+        cpu = f"{1000 * t.cpu / max(t.requests, 1):.3f} ms" if t.pid else "-"
+        added = f"{p50 - direct.ttft_ms(0.5):+.2f} ms | {p99 - direct.ttft_ms(0.99):+.2f} ms"
+        print(f"| {t.name} | {cpu} | {p50:.2f} ms | {p99:.2f} ms | {added} | {t.errors} |")
+    ours = next(t for t in targets if t.name == "pdproxy")
+    for t in targets:
+        if t.pid and t is not ours:
+            ratio = (ours.cpu / ours.requests) / (t.cpu / max(t.requests, 1))
+            print(f"pdproxy CPU/request over {t.name}'s: {ratio:.2f}x")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--router", help="the vllm-router executable (omit: pdproxy only)")
+    parser.add_argument("--rev", help="also measure pdproxy at this git revision")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", nargs="*", choices=sorted(CASES), default=sorted(CASES))
+    args = parser.parse_args()
+    checkout = _checkout(args.rev) if args.rev else None
+    for name in args.only:
+        await measure(CASES[name], args.rounds, args.router, checkout)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
