@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from bench import load
 from bench.procs import cpu_seconds, process, proxy_args, sim_args, wait_healthy
 from bench.run import _checkout
 from engines.ports import free_ports
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,16 @@ class Target:
     url: str
     pid: int = 0  # 0: the direct connection, no proxy CPU to read
     cpu: float = 0.0
+    user: float = 0.0
+    syscalls: int = 0  # read + write syscalls (/proc/PID/io: syscr + syscw)
     requests: int = 0
     errors: int = 0
     ttft: list[float] = field(default_factory=list)
 
-    def add(self, result: load.Result, cpu: float) -> None:
-        self.cpu += cpu
+    def add(self, result: load.Result, cpu: tuple[float, float, int]) -> None:
+        self.cpu += cpu[0]
+        self.user += cpu[1]
+        self.syscalls += cpu[2]
         self.requests += result.requests
         self.errors += result.errors
         self.ttft.extend(result.ttft)
@@ -116,20 +123,40 @@ async def measure(case: Case, rounds: int, router: str | None, checkout: str | N
             await load.run(t.url, total=400, **shape)
         for _ in range(rounds):
             for t in ts:
-                before = cpu_seconds(t.pid) if t.pid else 0.0
+                before = _usage(t.pid)
                 result = await load.run(t.url, total=case.total, **shape)
-                t.add(result, (cpu_seconds(t.pid) - before) if t.pid else 0.0)
+                after = _usage(t.pid)
+                t.add(result, (after[0] - before[0], after[1] - before[1], after[2] - before[2]))
     _report(case, ts)
+
+
+def _usage(pid: int) -> tuple[float, float, int]:
+    """CPU seconds (user + system), user seconds, read + write syscalls of ``pid``."""
+    if not pid:
+        return 0.0, 0.0, 0
+    with open(f"/proc/{pid}/stat") as f:
+        user = int(f.read().rsplit(")", 1)[1].split()[11]) / _CLK_TCK
+    with open(f"/proc/{pid}/io") as f:
+        io = dict(line.split(": ") for line in f.read().splitlines())
+    return cpu_seconds(pid), user, int(io["syscr"]) + int(io["syscw"])
 
 
 def _report(case: Case, targets: list[Target]) -> None:
     direct = targets[0]
     print(f"\n{case.name} ({direct.requests} requests per target)")
-    print("| target | CPU/request | TTFT p50 | TTFT p99 | added p50 | added p99 | errors |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| target | CPU/request | of it user | read+write syscalls/request"
+        " | TTFT p50 | TTFT p99 | added p50 | added p99 | errors |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for t in targets:
         p50, p99 = t.ttft_ms(0.5), t.ttft_ms(0.99)
-        cpu = f"{1000 * t.cpu / max(t.requests, 1):.3f} ms" if t.pid else "-"
+        n = max(t.requests, 1)
+        cpu = (
+            f"{1000 * t.cpu / n:.3f} ms | {t.user / max(t.cpu, 1e-9):.0%} | {t.syscalls / n:.0f}"
+            if t.pid
+            else "- | - | -"
+        )
         added = f"{p50 - direct.ttft_ms(0.5):+.2f} ms | {p99 - direct.ttft_ms(0.99):+.2f} ms"
         print(f"| {t.name} | {cpu} | {p50:.2f} ms | {p99:.2f} ms | {added} | {t.errors} |")
     ours = next(t for t in targets if t.name == "pdproxy")
