@@ -17,7 +17,7 @@ phases, as medians and p99 over the requests:
 pdproxy's stamps are its own ``time.perf_counter()`` values, from the access line's
 millisecond fields; the client's are this process's. "client → handler" is the client's
 TTFT minus pdproxy's time to first byte minus the last phase, which both sides share, so it
-is derived: TTFT (client) − ttfb (pdproxy) = client → handler + first byte → client.
+is derived: TTFT (client) - ttfb (pdproxy) = client → handler + first byte → client.
 """
 
 from __future__ import annotations
@@ -86,7 +86,11 @@ def _phases(stamps: dict[str, tuple[float, float]], lines: dict[str, dict[str, f
         line = lines.get(rid)
         if line is None or line.get("prefill_ms") is None:
             continue
-        ttfb, prefill, decode_headers = line["ttfb_ms"], line["prefill_ms"], line["decode_headers_ms"]
+        ttfb, prefill, decode_headers = (
+            line["ttfb_ms"],
+            line["prefill_ms"],
+            line["decode_headers_ms"],
+        )
         values = {
             "client TTFT": 1000 * first,
             "client → handler, + first byte → client": 1000 * first - ttfb,
