@@ -101,6 +101,13 @@ class Response:
         self._done = False  # released or closed
 
     async def _wait(self, timeout: float | None) -> None:
+        if timeout is None and self._deadline is None:  # a stream's body: no timer
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+            return
         deadline = self._deadline
         if deadline is not None:
             left = deadline - self._loop.time()
@@ -177,13 +184,6 @@ class Response:
     def _headers_done(self, status: int, headers: dict[str, str], keep_alive: bool) -> None:
         self.status, self.headers, self._keep_alive = status, headers, keep_alive
         self._framed = "content-length" in headers or "transfer-encoding" in headers
-        self._wake()
-
-    def _feed(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > _HIGH_WATER:
-            self._connection.pause_reading()
         self._wake()
 
     def _finish(self) -> None:
@@ -283,8 +283,15 @@ class _Connection(asyncio.Protocol):
             )
 
     def on_body(self, body: bytes) -> None:
-        if self.response is not None:
-            self.response._feed(body)
+        response = self.response
+        if response is not None:  # Response._feed, inlined: once per streamed token
+            response._chunks.append(body)
+            response._buffered += len(body)
+            if response._buffered > _HIGH_WATER:
+                self.pause_reading()
+            waiter = response._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def on_message_complete(self) -> None:
         if self.response is not None:
