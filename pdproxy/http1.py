@@ -78,7 +78,10 @@ class _Target:
         target = parts.path or "/"
         if parts.query:
             target += "?" + parts.query
-        self.head = f" {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
+        if parts.port:
+            host += f":{parts.port}"
+        self.head = f" {target} HTTP/1.1\r\nHost: {host}\r\n"  # never the URL's userinfo
 
 
 class Response:
@@ -320,7 +323,7 @@ class Pool:
         self._connect_timeout = connect_timeout
         self._ssl = ssl_context
         self._clock = clock
-        self._idle: dict[tuple[bool, str, int], list[_Connection]] = defaultdict(list)
+        self._idle: dict[tuple[bool, str, int], deque[_Connection]] = defaultdict(deque)
         self._in_use: set[_Connection] = set()
         self._per_host: dict[tuple[bool, str, int], int] = defaultdict(int)
         self._connecting = 0
@@ -478,8 +481,12 @@ class Pool:
             connection.response = None
             if connection.closed:
                 return
-            connection.idle_since = self._clock()
-            self._idle[connection.key].append(connection)
+            now = connection.idle_since = self._clock()
+            idle = self._idle[connection.key]
+            idle.append(connection)
+            # Reuse is most recent first: the oldest are closed here once past the expiry.
+            while now - idle[0].idle_since > self._expiry:
+                idle.popleft().close()
 
     def discard(self, connection: _Connection) -> None:
         """The connection is closed and forgotten."""

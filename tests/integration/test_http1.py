@@ -215,6 +215,41 @@ async def test_idle_connection_past_its_expiry_is_not_reused() -> None:
         assert server.connections == 2
 
 
+async def test_oldest_idle_connections_are_closed_once_past_the_expiry() -> None:
+    gate = asyncio.Event()
+
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    async with serving(held) as server, pool(keepalive_expiry=0.2) as p:
+        burst = [asyncio.create_task(post(p, server.url)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        for response in await asyncio.gather(*burst):
+            await response.read_all(1.0)
+            response.release()  # three idle connections
+        for _ in range(2):  # the most recent one stays fresh; the two below it age
+            await asyncio.sleep(0.12)
+            response = await post(p, server.url)
+            await response.read_all(1.0)
+            response.release()
+        assert server.connections == 3
+        # the two past the expiry were closed as the fresh one came back, not kept forever
+        assert sum(len(idle) for idle in p._idle.values()) == 1
+
+
+async def test_host_header_has_no_userinfo() -> None:
+    async with serving(answer(OK)) as server, pool() as p:
+        url = server.url.replace("http://", "http://user:secret@")
+        response = await post(p, url)
+        await response.read_all(1.0)
+        response.release()
+        assert b"secret" not in server.requests[0]
+        assert b"\r\nHost: 127.0.0.1:" in server.requests[0]
+
+
 async def test_idle_connection_the_engine_closed_leaves_the_pool() -> None:
     async with serving(answer(OK, close=True)) as server, pool() as p:
         response = await post(p, server.url)
