@@ -277,13 +277,14 @@ class _Connection(asyncio.Protocol):
         self._header_list.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.response is None or self.response.status:  # a second answer to one request
+            self.response = None
+            self.close()
+            return
         headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in self._header_list}
         self._header_list.clear()
         parser = self._parser
-        if self.response is not None:
-            self.response._headers_done(
-                parser.get_status_code(), headers, parser.should_keep_alive()
-            )
+        self.response._headers_done(parser.get_status_code(), headers, parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
         response = self.response

@@ -314,6 +314,17 @@ async def test_limit_queues_requests_until_a_connection_is_given_back() -> None:
         blocked.close()
 
 
+async def test_a_second_answer_to_one_request_drops_the_connection() -> None:
+    async with serving(answer(OK + OK)) as server, pool() as p:
+        response = await post(p, server.url)
+        assert await response.read_all(1.0) == b"{}"
+        response.release()
+        again = await post(p, server.url)  # not on the connection that answered twice
+        assert await again.read_all(1.0) == b"{}"
+        again.release()
+        assert server.connections == 2
+
+
 async def test_malformed_answer() -> None:
     async with serving(answer(b"SMTP ready\r\n\r\n")) as server, pool() as p:
         with pytest.raises(http1.MalformedResponse):
