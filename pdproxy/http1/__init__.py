@@ -1,0 +1,38 @@
+"""A pooled HTTP/1.1 client for the request legs, on httptools' parser (uvicorn's).
+
+The legs are the hot path: aiohttp's client spends about 400 Python calls on each request
+(URL, header multidicts, cookie jar, timers, payload registry, tracing hooks) and a dozen per
+body read, a third of pdproxy's CPU per short request (docs/benchmarks.md, issue 12). The
+legs need much less: one request at a time per connection, a bytes body with a
+``Content-Length``, answers framed by ``Content-Length``, chunked encoding or the
+connection's end, keep-alive with a bounded idle time, and limits per pool and per host.
+
+Only ``pdproxy.engine_client`` uses it; it maps these exceptions to ``pdproxy.errors``.
+``ConnectFailed`` means nothing reached the engine (the retry-safety the orchestrator needs).
+
+The package: ``errors`` (what it raises), ``connection`` (one connection's protocol and the
+answer it reads, ``Response``), ``pool`` (``Pool``: keep-alive reuse, expiry, limits,
+connecting).
+"""
+
+from pdproxy.http1.connection import Response
+from pdproxy.http1.errors import (
+    ConnectFailed,
+    ConnectionBroken,
+    ConnectTimeout,
+    HTTPError,
+    MalformedResponse,
+    ReadTimeout,
+)
+from pdproxy.http1.pool import Pool
+
+__all__ = [
+    "ConnectFailed",
+    "ConnectTimeout",
+    "ConnectionBroken",
+    "HTTPError",
+    "MalformedResponse",
+    "Pool",
+    "ReadTimeout",
+    "Response",
+]
