@@ -49,11 +49,11 @@ def variant(spec: str) -> Variant:
     if spec.startswith("flags="):
         return Variant(spec[6:], tuple(shlex.split(spec[6:])))
     if spec.startswith("rev="):
-        return Variant(f"at {spec[4:]}", checkout=_checkout(spec[4:]))
+        return Variant(f"at {spec[4:]}", checkout=checkout(spec[4:]))
     raise argparse.ArgumentTypeError("choose api-key, access-log, flags=FLAGS or rev=REV")
 
 
-def _checkout(rev: str) -> str:
+def checkout(rev: str) -> str:
     """A detached worktree of ``rev`` in a temporary directory, removed at exit."""
     import atexit
     import subprocess

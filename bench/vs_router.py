@@ -25,7 +25,7 @@ from pathlib import Path
 from bench import load
 from bench.anchor import Anchor, ensure
 from bench.procs import cpu_seconds, process, proxy_args, sim_args, wait_healthy
-from bench.run import _checkout
+from bench.variants import checkout as rev_checkout
 from engines.ports import free_ports
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -171,7 +171,7 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", nargs="*", choices=sorted(CASES), default=sorted(CASES))
     args = parser.parse_args()
-    checkout = _checkout(args.rev) if args.rev else None
+    checkout = rev_checkout(args.rev) if args.rev else None
     if args.router == "anchor":
         args.router = str(ensure().binary)
     for name in args.only:
