@@ -6,11 +6,14 @@ SIGKILLed worker loses only its own requests and is replaced, SIGTERM drains and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -132,24 +135,12 @@ def _value(text: str, series: str) -> float:
 async def test_a_killed_worker_loses_only_its_requests_and_is_restarted(tmp_path):
     async with workers_tree(tmp_path, decode_tps=15) as tree:
         (a, pid_a), (b, pid_b) = await tree.one_of_each()
-        clients = [
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
-            for _ in range(16)
-        ]
-        try:
-            streams = [asyncio.create_task(_stream(c, tree.url)) for c in clients]
-            deadline = time.monotonic() + 5
-            while len(tree.decodes[0].generation_requests()) < 16:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
+        async with _streams_in_flight(tree, 16) as streams:
             on_a = await _legs_in_flight(a, tree.url)
             on_b = await _legs_in_flight(b, tree.url)
             assert on_a + on_b == 16
             os.kill(pid_a, signal.SIGKILL)
             results = await asyncio.gather(*streams)
-        finally:
-            for c in clients:
-                await c.close()
         assert results.count("whole") == on_b and results.count("cut") == on_a
         deadline = time.monotonic() + 15
         while not (await tree.fresh_pids(4)) - {pid_a, pid_b}:
@@ -160,6 +151,26 @@ async def test_a_killed_worker_loses_only_its_requests_and_is_restarted(tmp_path
         # Its in-flight gauges left with it (mark_process_dead), its counts stayed.
         text = await _metrics(b, tree.url)
         assert _value(text, "pdproxy_requests_in_flight") == 0
+
+
+@contextlib.asynccontextmanager
+async def _streams_in_flight(tree: Any, count: int) -> AsyncIterator[list[asyncio.Task[str]]]:
+    """``count`` streams, each on a fresh connection (so the kernel spreads them over the
+    workers), returned once the decode has every one of them."""
+    clients = [
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        for _ in range(count)
+    ]
+    try:
+        streams = [asyncio.create_task(_stream(c, tree.url)) for c in clients]
+        deadline = time.monotonic() + 5
+        while len(tree.decodes[0].generation_requests()) < count:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        yield streams
+    finally:
+        for c in clients:
+            await c.close()
 
 
 async def _stream(session: aiohttp.ClientSession, url: str) -> str:
@@ -182,21 +193,9 @@ async def test_sigterm_drains_every_worker_and_exits_0(tmp_path, sig):
     async with workers_tree(tmp_path, decode_tps=15) as tree:
         workers = tree.worker_pids()
         run_dir = _metrics_dir(next(iter(workers)))
-        clients = [
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
-            for _ in range(10)
-        ]
-        try:
-            streams = [asyncio.create_task(_stream(c, tree.url)) for c in clients]
-            deadline = time.monotonic() + 5
-            while len(tree.decodes[0].generation_requests()) < 10:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
+        async with _streams_in_flight(tree, 10) as streams:
             tree.proc.send_signal(sig)
             results = await asyncio.gather(*streams)
-        finally:
-            for c in clients:
-                await c.close()
         assert results == ["whole"] * 10  # drained, not cut
         assert await exit_code(tree.proc, 20) == 0
         assert not any(pid_alive(p) for p in workers)
