@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from pdproxy.config import RetryConfig
+from pdproxy.config import RetryConfig, SchedulingConfig
 from tests.faults.harness import (
     HEALTH,
     all_ok,
@@ -24,6 +24,8 @@ from tests.faults.harness import (
 )
 
 pytestmark = pytest.mark.faults
+
+ROUND_ROBIN_DECODES = SchedulingConfig(decode_policy="round-robin")
 
 
 def _sent(sim) -> int:
@@ -261,7 +263,10 @@ async def test_exhausted_retry_budget_fails_fast_instead_of_retrying():
 
 
 async def test_max_retries_zero_is_the_old_behaviour():
-    async with fleet(proxy={"retry": RetryConfig(max_retries=0)}) as f:
+    # round robin: every other request meets the failing decode until its ejection (after
+    # three failed legs), so three of them fail; a random tie-break could pick it only once
+    settings = {"retry": RetryConfig(max_retries=0), "scheduling": ROUND_ROBIN_DECODES}
+    async with fleet(proxy=settings) as f:
         f.decodes[0].set_faults(status=503)
         outcomes = await drive(f, 8, concurrency=1, stream=False)
         assert [o.status for o in outcomes].count(503) >= 2
