@@ -26,6 +26,13 @@ from tests.servers import running_proxy
 pytestmark = pytest.mark.real_engine
 
 STEADY_REQUESTS = 8
+# what vLLM's NIXL worker logs (at info) in the decode when it handshakes with a prefill
+HANDSHAKE_LINE = "NIXL compatibility check passed"
+
+
+def _handshakes(pair: EnginePair) -> int:
+    """How many NIXL handshakes the decode engine has made so far, from its log."""
+    return pair.decode.log_path.read_text(errors="replace").count(HANDSHAKE_LINE)
 
 
 async def _ttft(url: str, request: dict) -> float:
@@ -76,11 +83,13 @@ async def test_first_request_through_a_new_pair_against_steady_state(
     )
     async with running_proxy(config) as proxy:
         warming = await _routable(proxy)
+        before_clients = _handshakes(pair)
         first = await _ttft(proxy.url, body(pair, "completions", _prompt(0), True, max_tokens=4))
         steady = [
             await _ttft(proxy.url, body(pair, "completions", _prompt(n), True, max_tokens=4))
             for n in range(1, STEADY_REQUESTS + 1)
         ]
+    after_clients = _handshakes(pair)
     median = statistics.median(steady)
     ratio = first / median
     record_property("warm_up_ms", round(1000 * warming, 1))
@@ -92,7 +101,12 @@ async def test_first_request_through_a_new_pair_against_steady_state(
         f"{1000 * first:.1f} ms, steady p50 {1000 * median:.1f} ms (min "
         f"{1000 * min(steady):.1f}, max {1000 * max(steady):.1f}), ratio {ratio:.2f}"
     )
+    # The handshake, from the decode's own log: paid by the warm-up before pdproxy served, or
+    # by the first client request. Its cost in time is the figure recorded above (2.6-9x the
+    # steady state when a client pays it, docs/real-engines.md), not asserted: a single
+    # request on two shared cores can meet a busy neighbour and take as long.
+    assert after_clients == 1, f"the decode handshook {after_clients} times"
     if warm_pairs:
-        # no handshake left to pay: within 2x of the steady p50, or no slower than the
-        # slowest steady request (two shared cores: any request may meet a busy neighbour)
-        assert ratio < 2 or first <= max(steady), "a pre-warmed pair's first request is slow"
+        assert before_clients == 1, "no client request may pay the handshake: the warm-up does"
+    else:
+        assert before_clients == 0, "without --warm-pairs the first client request pays it"
