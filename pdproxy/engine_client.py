@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import re
 import ssl
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -159,6 +159,10 @@ class UpstreamResponse:
             return await self._response.read_chunk()
         except _LEG_FAILURES as exc:
             raise _translate(exc, self.leg, self.url) from exc
+
+    def push_to(self, sink: Callable[[bytes], bool] | None) -> None:
+        """Offer the body's bytes to ``sink`` as they arrive (``http1.Response.push_to``)."""
+        self._response.push_to(sink)
 
     def header(self, name: str) -> str | None:
         """One of the answer's headers (case-insensitive), if it has it."""

@@ -117,6 +117,8 @@ class StreamRelay:
         self._first: bytes | None = None  # read by prime(), not yet handed out
         self._watchdog = watchdog
         self._translate: Callable[[bytes], bytes] | None = None
+        self._write: Callable[[bytes], bool] | None = None  # relay_directly's
+        self.pushed = 0  # bytes handed to it
         self._clock = watchdog.clock
         self.last_activity = self._clock()
         watchdog.watch(self)
@@ -130,6 +132,32 @@ class StreamRelay:
         answers generate's stream in the OpenAI shape); the end check still reads the
         engine's own bytes, and the relay's error events pass untranslated."""
         self._translate = translate
+
+    def relay_directly(self, write: Callable[[bytes], bool]) -> None:
+        """From now on hand each chunk the engine sends to ``write`` in the engine
+        connection's own callback: no future, task step or ASGI message per token.
+
+        ``write`` returns False when it cannot take a chunk now (the client's socket is
+        full, or the client is gone); that chunk and the ones after it then come from
+        ``next_chunk`` again, until this is called anew. The stream's last chunk (the one
+        that ends with ``[DONE]``) and its end always come from ``next_chunk``, so the
+        caller ends the response; a translated stream is never relayed this way.
+        """
+        if self._translate is None and not self._done and self._first is None:
+            self._write = write
+            self._upstream.push_to(self._push)
+
+    def _push(self, chunk: bytes) -> bool:
+        write = self._write
+        if write is None or chunk.endswith(SSE_DONE) or not write(chunk):
+            self._write = None
+            self._upstream.push_to(None)
+            return False
+        self.last_activity = self._clock()
+        size = self._tail_size
+        self._tail = chunk if len(chunk) >= size else (self._tail + chunk)[-size:]
+        self.pushed += len(chunk)
+        return True
 
     def abort(self, failure: ProxyError) -> None:
         """Stop relaying because of ``failure`` (e.g. the concurrent prefill failed)."""
@@ -210,6 +238,7 @@ class StreamRelay:
 
     def close(self) -> None:
         self._done = True
+        self._write = None
         self._watchdog.forget(self)
         self._upstream.close()
         on_close, self._on_close = self._on_close, None

@@ -19,6 +19,7 @@ import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from pdproxy.api.access import RequestFinisher
+from pdproxy.api.direct import direct_writer
 from pdproxy.api.errors import JSON, error_body, internal_error
 from pdproxy.api.state import AppState
 from pdproxy.errors import (
@@ -246,10 +247,13 @@ async def _send_response(
 
 async def _send_stream(send: Send, stream: StreamRelay, trace: RequestTrace) -> None:
     """Relay chunk by chunk; the chunk that ends with ``[DONE]`` also ends the response, so
-    the terminator does not cost a write of its own. Per chunk, the only bookkeeping is
-    adding up the bytes sent."""
+    the terminator does not cost a write of its own. Once the response has started, where
+    uvicorn allows it, the chunks in between are written straight into the client's
+    connection as they arrive (``direct_writer``); this loop wakes again only for the last
+    one, a failure, or a full client socket, after which it hands the stream back."""
     finished = False
     sent = 0
+    direct = None
     try:
         while (chunk := await stream.next_chunk()) is not None:
             if finished:
@@ -258,11 +262,14 @@ async def _send_stream(send: Send, stream: StreamRelay, trace: RequestTrace) -> 
             await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
             if not sent:
                 trace.first_byte = time.perf_counter()
+                direct = direct_writer(send)
             sent += len(chunk)
+            if direct is not None and not finished:
+                stream.relay_directly(direct)
         if not finished:
             await send({"type": "http.response.body", "body": b""})
     finally:
-        trace.bytes_sent = sent
+        trace.bytes_sent = sent + stream.pushed
 
 
 async def _send_whole(

@@ -4,6 +4,7 @@ the answer it is reading (``Response``)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
@@ -64,6 +65,7 @@ class Response:
         self._keep_alive = False
         self._framed = False  # a length or chunked: else the body ends with the connection
         self._done = False  # released or closed
+        self._sink: Callable[[bytes], bool] | None = None  # push_to's
 
     async def _wait(self, timeout: float | None) -> None:
         if timeout is None and self._deadline is None:  # a stream's body: no timer
@@ -116,6 +118,13 @@ class Response:
                 return b""
             await self._wait(timeout)
 
+    def push_to(self, sink: Callable[[bytes], bool] | None) -> None:
+        """While set, body bytes are handed to ``sink`` in the connection's own callback as
+        they arrive, before any reader waits for them; ``sink`` returns False to decline a
+        piece, which is then buffered (with all that follows it) for ``read_chunk`` as
+        usual. Bytes already buffered come first: none are offered while some wait."""
+        self._sink = sink
+
     async def read_all(self, timeout: float | None = None) -> bytes:
         """The whole body, each silence at most ``timeout``."""
         parts = []
@@ -129,6 +138,7 @@ class Response:
             return
         if self.complete and self._keep_alive and self._error is None:
             self._done = True
+            self._sink = None
             self._connection.pool.release(self._connection)
         else:
             self.close()
@@ -137,6 +147,7 @@ class Response:
         """Abandon the answer: the connection is closed (vLLM aborts the request)."""
         if not self._done:
             self._done = True
+            self._sink = None
             self._connection.pool.discard(self._connection)
 
     # --- fed by the connection ---
@@ -246,6 +257,9 @@ class Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         response = self.response
         if response is not None:  # Response._feed, inlined: once per streamed token
+            sink = response._sink
+            if sink is not None and not response._chunks and sink(body):
+                return
             response._chunks.append(body)
             response._buffered += len(body)
             if response._buffered > _HIGH_WATER:

@@ -352,6 +352,46 @@ async def test_close_mid_stream_drops_the_connection() -> None:
         assert server.connections == 2
 
 
+async def test_pushed_body_goes_to_the_sink_until_it_declines() -> None:
+    gates = [asyncio.Event() for _ in range(3)]
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(CHUNKED_HEAD + chunk(b"data: 0\n\n"))
+        for i, gate in enumerate(gates, start=1):
+            await gate.wait()
+            writer.write(chunk(b"data: %d\n\n" % i))
+            await writer.drain()
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    taken: list[bytes] = []
+    accept = True
+
+    def sink(data: bytes) -> bool:
+        if accept:
+            taken.append(data)
+        return accept
+
+    async with serving(script) as server, pool() as p:
+        response = await post(p, server.url)
+        assert await response.read_chunk() == b"data: 0\n\n"
+        response.push_to(sink)
+        gates[0].set()
+        for _ in range(200):
+            if taken:
+                break
+            await asyncio.sleep(0.005)
+        assert taken == [b"data: 1\n\n"]  # in the callback: nothing for read_chunk
+        accept = False
+        gates[1].set()
+        assert await response.read_chunk() == b"data: 2\n\n"  # declined: buffered, woken
+        response.push_to(None)
+        gates[2].set()
+        assert await response.read_all(1.0) == b"data: 3\n\ndata: [DONE]\n\n"
+        response.release()
+        assert taken == [b"data: 1\n\n"] and p.in_use() == 0
+
+
 async def test_header_with_a_line_break_is_refused_before_sending() -> None:
     async with serving(answer(OK)) as server, pool() as p:
         with pytest.raises(ValueError):

@@ -119,3 +119,108 @@ async def test_watchdog_aborts_only_silent_streams():
     clock.now += 100
     watchdog.sweep()  # a closed stream is no longer watched
     assert not busy.released
+
+
+# -- relay_directly: chunks handed to a writer from the upstream's callback -------------------
+
+
+class PushingUpstream(FakeUpstream):
+    """Chunks ``arrive`` as from the engine connection's callback: offered to the sink
+    ``push_to`` set, buffered for ``read_chunk`` when there is none or it declines."""
+
+    def __init__(self, chunks=()):
+        super().__init__(chunks)
+        self.sink = None
+
+    def push_to(self, sink):
+        self.sink = sink
+
+    def arrive(self, chunk):
+        if self.sink is None or self._chunks or not self.sink(chunk):
+            self._chunks.append(chunk)
+
+
+def _token(i: int) -> bytes:
+    return b'data: {"choices":[{"text":"t%d"}]}\n\n' % i
+
+
+async def _primed(upstream, **kw):
+    relay = _relay(upstream, **kw)
+    await relay.prime()
+    assert await relay.next_chunk() == _token(0)
+    return relay
+
+
+async def test_direct_chunks_skip_next_chunk_and_the_end_still_comes_through_it():
+    upstream, written = PushingUpstream([_token(0)]), []
+    relay = await _primed(upstream)
+    relay.relay_directly(lambda c: written.append(c) or True)
+    for i in range(1, 4):
+        upstream.arrive(_token(i))
+    upstream.arrive(b"data: [DONE]\n\n")  # the last chunk: declined, the caller ends with it
+    assert written == [_token(1), _token(2), _token(3)]
+    assert relay.pushed == sum(map(len, written))
+    assert await _drain(relay) == [b"data: [DONE]\n\n"]
+    assert upstream.released and relay.failure is None
+
+
+async def test_a_declined_chunk_and_those_after_it_come_through_next_chunk_in_order():
+    upstream, written = PushingUpstream([_token(0)]), []
+    relay = await _primed(upstream)
+    full = {"now": False}
+    relay.relay_directly(lambda c: not full["now"] and (written.append(c) or True))
+    upstream.arrive(_token(1))
+    full["now"] = True
+    upstream.arrive(_token(2))  # declined: direct relaying stops
+    full["now"] = False
+    upstream.arrive(_token(3))  # buffered behind it, not written
+    assert written == [_token(1)] and upstream.sink is None
+    assert await relay.next_chunk() == _token(2)
+    assert await relay.next_chunk() == _token(3)
+    relay.relay_directly(lambda c: written.append(c) or True)  # re-armed by the caller
+    upstream.arrive(_token(4))
+    assert written == [_token(1), _token(4)]
+
+
+async def test_a_stream_cut_after_direct_chunks_ends_with_one_error_event():
+    upstream, written = PushingUpstream([_token(0)]), []
+    relay = await _primed(upstream)
+    relay.relay_directly(lambda c: written.append(c) or True)
+    upstream.arrive(_token(1))
+    upstream.arrive(b'data: {"choices":[{"te')  # cut mid-event; then the body ends
+    out = await _drain(relay)
+    assert len(out) == 1 and out[0].startswith(b"\n\ndata: ")  # the cut event is closed off
+    assert orjson.loads(out[0].split(b"data: ")[1])["error"]["type"] == "BadGatewayError"
+    assert relay.failure is not None and not upstream.released
+
+
+async def test_direct_chunks_keep_the_watchdog_away():
+    clock = Clock()
+    watchdog = StreamWatchdog(10.0, clock=clock)
+    upstream = PushingUpstream([_token(0)])
+    relay = await _primed(upstream, watchdog=watchdog)
+    relay.relay_directly(lambda c: True)
+    for i in range(1, 6):
+        clock.now += 5
+        upstream.arrive(_token(i))
+        watchdog.sweep()
+    assert relay.failure is None and not upstream.closed
+
+
+async def test_a_translated_stream_is_never_relayed_directly():
+    upstream = PushingUpstream([_token(0)])
+    relay = _relay(upstream)
+    relay.translate(lambda c: c.upper())
+    await relay.prime()
+    await relay.next_chunk()
+    relay.relay_directly(lambda c: True)
+    assert upstream.sink is None
+
+
+async def test_closing_stops_direct_relaying():
+    upstream, written = PushingUpstream([_token(0)]), []
+    relay = await _primed(upstream)
+    relay.relay_directly(lambda c: written.append(c) or True)
+    relay.close()
+    upstream.arrive(_token(1))
+    assert written == []
