@@ -120,9 +120,10 @@ class Response:
 
     def push_to(self, sink: Callable[[bytes], bool] | None) -> None:
         """While set, body bytes are handed to ``sink`` in the connection's own callback as
-        they arrive, before any reader waits for them; ``sink`` returns False to decline a
-        piece, which is then buffered (with all that follows it) for ``read_chunk`` as
-        usual. Bytes already buffered come first: none are offered while some wait."""
+        they arrive (the pieces of one read joined), before any reader waits for them;
+        ``sink`` returns False to decline them, and they are then buffered (with all that
+        follows) for ``read_chunk`` as usual. Bytes already buffered come first: none are
+        offered while some wait."""
         self._sink = sink
 
     async def read_all(self, timeout: float | None = None) -> bytes:
@@ -190,6 +191,7 @@ class Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._header_list: list[tuple[bytes, bytes]] = []
+        self._pushed: list[bytes] = []  # body pieces of this read, for the response's sink
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -202,8 +204,27 @@ class Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            self._offer_pushed(response)
             response._fail(MalformedResponse(f"malformed HTTP answer ({exc})"))
             self.close()
+            return
+        if self._pushed:
+            self._offer_pushed(response)
+
+    def _offer_pushed(self, response: Response) -> None:
+        """The body pieces this read brought, joined, to the sink: one write for the tokens
+        of one read, as ``read_chunk`` joins them; buffered if it declines."""
+        pushed = self._pushed
+        if not pushed:
+            return
+        data = pushed[0] if len(pushed) == 1 else b"".join(pushed)
+        pushed.clear()
+        sink = response._sink
+        if sink is not None and sink(data):
+            return
+        response._chunks.insert(0, data)  # before any piece the parser buffered after it
+        response._buffered += len(data)
+        response._wake()
 
     def eof_received(self) -> bool:
         response = self.response
@@ -257,8 +278,8 @@ class Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         response = self.response
         if response is not None:  # Response._feed, inlined: once per streamed token
-            sink = response._sink
-            if sink is not None and not response._chunks and sink(body):
+            if response._sink is not None and not response._chunks:
+                self._pushed.append(body)  # offered once the whole read is parsed
                 return
             response._chunks.append(body)
             response._buffered += len(body)

@@ -392,6 +392,41 @@ async def test_pushed_body_goes_to_the_sink_until_it_declines() -> None:
         assert taken == [b"data: 1\n\n"] and p.in_use() == 0
 
 
+async def test_the_pieces_of_one_read_reach_the_sink_in_one_call() -> None:
+    gate, last = asyncio.Event(), asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(CHUNKED_HEAD + chunk(b"data: 0\n\n"))
+        await gate.wait()
+        writer.write(chunk(b"data: 1\n\n") + chunk(b"data: 2\n\n"))  # one segment
+        await writer.drain()
+        await last.wait()
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    calls: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        if data.endswith(b"[DONE]\n\n"):
+            return False
+        calls.append(data)
+        return True
+
+    async with serving(script) as server, pool() as p:
+        response = await post(p, server.url)
+        assert await response.read_chunk() == b"data: 0\n\n"
+        response.push_to(sink)
+        gate.set()
+        for _ in range(200):
+            if calls:
+                break
+            await asyncio.sleep(0.005)
+        last.set()
+        assert await response.read_all(1.0) == b"data: [DONE]\n\n"
+        assert calls == [b"data: 1\n\ndata: 2\n\n"]  # one write for one read's tokens
+        response.release()
+
+
 async def test_header_with_a_line_break_is_refused_before_sending() -> None:
     async with serving(answer(OK)) as server, pool() as p:
         with pytest.raises(ValueError):
