@@ -51,6 +51,7 @@ class RequestTrace:
     status: int = 0  # the client's response status; 0 if none was sent
     outcome: str = "error"  # the requests_total outcome label
     bytes_sent: int = 0  # body bytes sent to the client
+    answered: bool = False  # the response's last bytes went to the server: nothing can cancel it
     _after_failure: bool = False  # the last leg failed: the next one is a retry
 
     def prefill_started(

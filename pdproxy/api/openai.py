@@ -147,7 +147,7 @@ async def _serve(
     away; returns the outcome label. Shared with the pass-through endpoints."""
     task = asyncio.current_task()
     disconnected = asyncio.Event()
-    watcher = asyncio.create_task(_watch_disconnect(receive, task, disconnected))
+    watcher = asyncio.create_task(_watch_disconnect(receive, task, disconnected, trace))
     admitted = False
     try:
         if state.admission is not None:
@@ -207,10 +207,18 @@ async def _orchestrate(
 
 
 async def _watch_disconnect(
-    receive: Receive, task: asyncio.Task[Any] | None, disconnected: asyncio.Event
+    receive: Receive,
+    task: asyncio.Task[Any] | None,
+    disconnected: asyncio.Event,
+    trace: RequestTrace,
 ) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+    if trace.answered:
+        # uvicorn's receive() says "disconnect" as soon as the response is complete: the
+        # client got all of it, and the handler is only reading the engine's end of the
+        # stream to pool its connection (bounded by the stream watchdog), not to be cut.
+        return
     disconnected.set()
     if task is not None:
         task.cancel()
@@ -230,6 +238,7 @@ async def _send_response(
     if response.stream is None:
         headers.append((b"content-length", str(len(response.body)).encode("latin-1")))
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        trace.answered = True
         await send({"type": "http.response.body", "body": response.body})
         trace.first_byte, trace.bytes_sent = time.perf_counter(), len(response.body)
         return "ok"
@@ -259,6 +268,7 @@ async def _send_stream(send: Send, stream: StreamRelay, trace: RequestTrace) -> 
             if finished:
                 continue  # nothing follows [DONE] in vLLM's streams
             finished = chunk.endswith(SSE_DONE)
+            trace.answered = finished
             await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
             if not sent:
                 trace.first_byte = time.perf_counter()
@@ -267,6 +277,7 @@ async def _send_stream(send: Send, stream: StreamRelay, trace: RequestTrace) -> 
             if direct is not None and not finished:
                 stream.relay_directly(direct)
         if not finished:
+            trace.answered = True
             await send({"type": "http.response.body", "body": b""})
     finally:
         trace.bytes_sent = sent + stream.pushed
@@ -283,6 +294,7 @@ async def _send_whole(
     headers = [(b"content-type", content_type.encode("latin-1")), *extra]
     trace.status = status
     await send({"type": "http.response.start", "status": status, "headers": headers})
+    trace.answered = True
     await send({"type": "http.response.body", "body": body})
     trace.first_byte, trace.bytes_sent = time.perf_counter(), len(body)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import orjson
 import pytest
@@ -169,3 +171,39 @@ async def test_status_and_models(nixl_2p2d):
             assert r.status == 200
             models = await r.json()
         assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+async def test_whole_streams_count_as_ok_and_pool_their_decode_connections(monkeypatch):
+    """uvicorn's receive() reports a disconnect once a response is complete; the handler,
+    still reading the engine's end of the stream, must not take it for a client that left
+    (it did for about half the streams: counted client_disconnected, connection dropped)."""
+    from pdproxy.http1.pool import Pool
+
+    connects = 0
+    connect = Pool._connect
+
+    async def counted(self, *args, **kwargs):
+        nonlocal connects
+        connects += 1
+        return await connect(self, *args, **kwargs)
+
+    monkeypatch.setattr(Pool, "_connect", counted)
+    async with deployment(n_prefill=1, n_decode=1) as d, aiohttp.ClientSession() as s:
+
+        async def one(i: int) -> bytes:
+            body = {"model": MODEL, "prompt": f"{PROMPT} {i}", "max_tokens": 16, "stream": True}
+            async with s.post(d.proxy.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                return await r.read()
+
+        for batch in range(6):
+            answers = await asyncio.gather(*(one(32 * batch + i) for i in range(32)))
+            assert all(a.endswith(b"data: [DONE]\n\n") for a in answers)
+        registry = d.proxy.state.metrics.registry
+
+        def requests(outcome: str) -> float:
+            labels = {"endpoint": "/v1/completions", "outcome": outcome}
+            return registry.get_sample_value("pdproxy_requests_total", labels) or 0.0
+
+        assert requests("ok") == 6 * 32 and requests("client_disconnected") == 0
+        assert connects <= 2 * 32  # one per concurrent leg and engine, reused by every batch
