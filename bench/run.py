@@ -313,7 +313,7 @@ def parser() -> argparse.ArgumentParser:
         type=_positive,
         default=None,
         help="measured rounds per path, the order reversed every other round "
-        "(default 2 with --anchor, else 1)",
+        "(default 4 with --anchor, else 1)",
     )
     p.add_argument("--quick", action="store_true", help="a twentieth of the requests (smoke)")
     p.add_argument("--json", type=Path, help="the JSON results' path (the .md goes beside it)")
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
 
     other = variant("api-key") if args.api_key and args.variant is None else args.variant
     anchor = anchors.ensure(args.anchor_venv, args.anchor_version) if args.anchor else None
-    rounds = args.rounds or (2 if anchor is not None else 1)
+    rounds = args.rounds or (4 if anchor is not None else 1)
     opts = Options(args.only, other, anchor, rounds, args.quick, args.logdir)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     uvloop.run(main_async(opts, outputs(args.json, args.plot, stamp), args.progress))
