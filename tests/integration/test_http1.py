@@ -352,6 +352,14 @@ async def test_close_mid_stream_drops_the_connection() -> None:
         assert server.connections == 2
 
 
+async def _pushed(into: list[bytes]) -> None:
+    """Until the sink has taken something (at most a second)."""
+    for _ in range(200):
+        if into:
+            return
+        await asyncio.sleep(0.005)
+
+
 async def test_pushed_body_goes_to_the_sink_until_it_declines() -> None:
     gates = [asyncio.Event() for _ in range(3)]
 
@@ -377,10 +385,7 @@ async def test_pushed_body_goes_to_the_sink_until_it_declines() -> None:
         assert await response.read_chunk() == b"data: 0\n\n"
         response.push_to(sink)
         gates[0].set()
-        for _ in range(200):
-            if taken:
-                break
-            await asyncio.sleep(0.005)
+        await _pushed(taken)
         assert taken == [b"data: 1\n\n"]  # in the callback: nothing for read_chunk
         accept = False
         gates[1].set()
@@ -417,10 +422,7 @@ async def test_the_pieces_of_one_read_reach_the_sink_in_one_call() -> None:
         assert await response.read_chunk() == b"data: 0\n\n"
         response.push_to(sink)
         gate.set()
-        for _ in range(200):
-            if calls:
-                break
-            await asyncio.sleep(0.005)
+        await _pushed(calls)
         last.set()
         assert await response.read_all(1.0) == b"data: [DONE]\n\n"
         assert calls == [b"data: 1\n\ndata: 2\n\n"]  # one write for one read's tokens
