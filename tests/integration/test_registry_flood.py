@@ -152,9 +152,11 @@ async def test_garbage_flood_leaves_client_latency_and_memory_bounded():
             f" sender {counts}; registry {outcomes}; peak RSS +{rss_growth:.1f} MiB"
         )
         # With the sender niced, flood/quiet p99 measured 1.4-1.5x (unniced, the sender's own
-        # CPU on two shared cores made it 1.3-3.2x); the mute and outcome counts below are
-        # what pin the cheap path down.
-        assert flood_p99 <= 2 * quiet_p99
+        # CPU on two shared cores made it 1.3-3.2x), and once 2.2x on a quiet machine (5.98
+        # against 2.76 ms: a p99 of a few hundred requests of ~1 ms). So 2x, or 5 ms over
+        # quiet: a flood handled at any real cost per message saturates the loop and adds
+        # tens of ms. The mute and outcome counts below are what pin the cheap path down.
+        assert flood_p99 <= max(2 * quiet_p99, quiet_p99 + 0.005)
         assert counts["sent"] >= 0.8 * RATE * FLOOD_S
         assert metrics.registry_mutes._value.get() >= GARBAGE_SOCKETS
         assert outcomes["muted"] >= 0.8 * (outcomes["muted"] + outcomes["malformed"])
