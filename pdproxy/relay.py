@@ -153,11 +153,16 @@ class StreamRelay:
             self._write = None
             self._upstream.push_to(None)
             return False
+        self._seen(chunk)
+        self.pushed += len(chunk)
+        return True
+
+    def _seen(self, chunk: bytes) -> None:
+        """A chunk came from the engine: the watchdog's clock, and the tail the end check
+        reads (a token's chunk is longer than the marker: a reference, no copy)."""
         self.last_activity = self._clock()
         size = self._tail_size
         self._tail = chunk if len(chunk) >= size else (self._tail + chunk)[-size:]
-        self.pushed += len(chunk)
-        return True
 
     def abort(self, failure: ProxyError) -> None:
         """Stop relaying because of ``failure`` (e.g. the concurrent prefill failed)."""
@@ -211,10 +216,7 @@ class StreamRelay:
         except UpstreamError as exc:
             return self._fail(exc)
         if chunk:
-            self.last_activity = self._clock()
-            # A token's chunk is longer than the marker: keep a reference, copy nothing.
-            size = self._tail_size
-            self._tail = chunk if len(chunk) >= size else (self._tail + chunk)[-size:]
+            self._seen(chunk)
             return chunk
         if not self._tail.rstrip().endswith(self._ends):
             return self._fail(

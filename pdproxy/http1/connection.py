@@ -158,6 +158,15 @@ class Response:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _feed(self, data: bytes) -> None:
+        """Body bytes for ``read_chunk``; past the high-water mark the engine's socket is
+        paused until they are read."""
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > _HIGH_WATER:
+            self._connection.pause_reading()
+        self._wake()
+
     def _headers_done(self, status: int, headers: dict[str, str], keep_alive: bool) -> None:
         self.status, self.headers, self._keep_alive = status, headers, keep_alive
         self._framed = "content-length" in headers or "transfer-encoding" in headers
@@ -204,7 +213,8 @@ class Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._offer_pushed(response)
+            if self._pushed:
+                self._offer_pushed(response)
             response._fail(MalformedResponse(f"malformed HTTP answer ({exc})"))
             self.close()
             return
@@ -215,16 +225,11 @@ class Connection(asyncio.Protocol):
         """The body pieces this read brought, joined, to the sink: one write for the tokens
         of one read, as ``read_chunk`` joins them; buffered if it declines."""
         pushed = self._pushed
-        if not pushed:
-            return
         data = pushed[0] if len(pushed) == 1 else b"".join(pushed)
         pushed.clear()
         sink = response._sink
-        if sink is not None and sink(data):
-            return
-        response._chunks.insert(0, data)  # before any piece the parser buffered after it
-        response._buffered += len(data)
-        response._wake()
+        if sink is None or not sink(data):
+            response._feed(data)
 
     def eof_received(self) -> bool:
         response = self.response
