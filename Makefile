@@ -23,8 +23,10 @@ install: $(STAMP)
 run: install
 	$(PY) -m engines.demo --engines $(ENGINES)
 
-## test: every tier, the real-engine one included (it installs vLLM's CPU build on first use)
+## test: every tier, the real-engine one included (it installs vLLM's CPU build on first use,
+## and the Debian tools of the browser, deploy and etcd tiers where it can: tests/install-tools.sh)
 test: install
+	@bash tests/install-tools.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 ## test-fast: unit and loopback tiers only, no real vLLM engines

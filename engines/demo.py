@@ -138,6 +138,11 @@ def print_examples(proxy_url: str, model: str) -> None:
         f"""
 pdproxy is serving on {proxy_url} (Ctrl-C stops pdproxy and the engines).
 
+  the fleet, live:     {proxy_url}/dashboard
+  its state as JSON:   {proxy_url}/status
+  Prometheus metrics:  {proxy_url}/metrics
+  readiness, health:   {proxy_url}/ready  {proxy_url}/health
+
   curl -sN {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{json.dumps(chat)}'
 

@@ -1,6 +1,7 @@
 """A real headless Chromium for the browser tier: Debian's ``chromium`` package driven by
 Playwright (which then downloads no browser of its own). Without either, the tests skip
-and say why; ``.ci/run`` installs chromium, and the test extra Playwright."""
+and say why; ``make test`` installs chromium (tests/install-tools.sh), the test extra
+Playwright."""
 
 from __future__ import annotations
 

@@ -11,9 +11,11 @@ from tests.scaleout.etcd_server import EtcdServer
 @pytest.fixture
 async def etcd(tmp_path) -> AsyncIterator[EtcdServer]:
     """A real etcd server for one test; skips (saying why) where Debian's etcd-server is
-    not installed (.ci/run installs it)."""
+    not installed (make test installs it: tests/install-tools.sh)."""
     if shutil.which("etcd") is None:
-        pytest.skip("no etcd binary: apt-get install etcd-server (as .ci/run does)")
+        pytest.skip(
+            "no etcd binary: apt-get install etcd-server (make test does: tests/install-tools.sh)"
+        )
     pytest.importorskip("aetcd")
     server = EtcdServer(tmp_path / "etcd-data")
     await server.start()
