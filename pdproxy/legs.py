@@ -86,16 +86,17 @@ class Legs:
         started = time.perf_counter()
         self._enter(endpoint, rank, weight)
         try:
-            upstream = await self._post(
-                transfer.decision,
-                endpoint,
-                endpoint.url + request.kind.path,
-                body,
-                headers,
-                leg="prefill",
-                stream=False,
-                within=self._timeouts.prefill,
-            )
+            try:
+                upstream = await self._client.post(
+                    endpoint.url + request.kind.path,
+                    body,
+                    headers,
+                    leg="prefill",
+                    stream=False,
+                    within=self._timeouts.prefill,
+                )
+            except ValueError as exc:  # http1 builds the head before anything is sent
+                raise unbuildable(endpoint, transfer.decision) from exc
             answer = _prefill_answer(upstream, await upstream.read_all())
         except ProxyError as error:
             self._failed(at_fault(error, endpoint, transfer.decision), error, span, trace)
@@ -144,16 +145,17 @@ class Legs:
         streaming = is_streaming(request.body)
         self._enter(endpoint, rank)
         try:
-            upstream = await self._post(
-                leg.pair,
-                endpoint,
-                endpoint.url + request.kind.path,
-                orjson.dumps(body),
-                headers,
-                leg="decode",
-                stream=streaming,
-                headers_within=self._timeouts.decode_headers,
-            )
+            try:
+                upstream = await self._client.post(
+                    endpoint.url + request.kind.path,
+                    orjson.dumps(body),
+                    headers,
+                    leg="decode",
+                    stream=streaming,
+                    headers_within=self._timeouts.decode_headers,
+                )
+            except ValueError as exc:  # http1 builds the head before anything is sent
+                raise unbuildable(endpoint, leg.pair) from exc
             self._headers_arrived(trace, upstream.status < 300 and streaming)
             if streaming and upstream.status < 300:
                 return await self._stream(upstream, leg, span, trace)
@@ -170,16 +172,6 @@ class Legs:
         self._succeeded(endpoint, leg.prefill_answer)
         span.end(None)
         return response
-
-    async def _post(
-        self, pair: PairDecision | None, endpoint: Endpoint, *args: Any, **options: Any
-    ) -> UpstreamResponse:
-        """``EngineClient.post``; a request that cannot be built raises
-        ``UpstreamRequestError`` (``unbuildable``)."""
-        try:
-            return await self._client.post(*args, **options)
-        except ValueError as exc:  # http1 builds the head before anything is sent
-            raise unbuildable(endpoint, pair) from exc
 
     def _enter(self, endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
         enter(endpoint, rank, weight)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import struct
 
 import pytest
 
@@ -112,6 +113,23 @@ def test_own_listener_everywhere_knows_the_hosts_addresses():
     assert own.is_self("127.0.0.1", 8000) and own.is_self("::1", 8000)
     assert own.is_self("localhost", 8000) and not own.is_self("127.0.0.1", 8001)
     assert own.is_self(socket.gethostname().lower(), 8000)
+
+
+def test_own_listener_everywhere_knows_every_interface_address():
+    """Checked against the kernel's other answer: SIOCGIFADDR per interface."""
+    fcntl = pytest.importorskip("fcntl")
+    own = OwnListener.discover("0.0.0.0", 8000)
+    seen = 0
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+        address = socket.inet_ntoa(packed[20:24])
+        assert own.is_self(address, 8000), (name, address)
+        seen += 1
+    assert seen >= 1  # the loopback at least
 
 
 def test_own_listener_on_one_address():
