@@ -103,21 +103,27 @@ class InstanceGuard:
         self._identities: dict[str, tuple[str, ...]] = {}  # url -> its keys above
 
     def check(self, url: str) -> Refusal | None:
-        """Refused when ``url`` is pdproxy itself or another name of a known instance."""
-        host, port = url_host_port(url)
-        if self.own.is_self(host, port):
+        """Refused when ``url`` is pdproxy itself or another name of a known instance.
+        (A URL that is not ``scheme://host:port``, which no parser here produced, is
+        neither.)"""
+        parsed = _host_port(url)
+        if parsed is None:
+            return None
+        if self.own.is_self(*parsed):
             return _SELF
-        return self._alias(url, identity(host, port))
+        return self._alias(url, identity(*parsed))
 
     async def check_resolved(
         self, url: str, timeout: float
     ) -> tuple[Refusal | None, tuple[str, ...]]:
         """``check``, then the same for every address a DNS name resolves to now; with
         the identities of those addresses (for ``admitted``)."""
-        refusal = self.check(url)
-        host, port = url_host_port(url)
-        if refusal is not None or is_loopback(host) or _is_literal(host):
+        refusal, parsed = self.check(url), _host_port(url)
+        if refusal is not None or parsed is None or is_loopback(parsed[0]):
             return refusal, ()
+        host, port = parsed
+        if _is_literal(host):
+            return None, ()
         try:
             async with asyncio.timeout(timeout):
                 infos = await asyncio.get_running_loop().getaddrinfo(
@@ -136,7 +142,8 @@ class InstanceGuard:
 
     def admitted(self, url: str, *also: str) -> None:
         """``url`` is in the registry; ``also``: the identities its name resolved to."""
-        keys = (identity(*url_host_port(url)), *also)
+        parsed = _host_port(url)
+        keys = (*(() if parsed is None else (identity(*parsed),)), *also)
         self.forgot(url)
         self._identities[url] = keys
         for key in keys:
@@ -149,10 +156,8 @@ class InstanceGuard:
 
     def known_as(self, url: str) -> str | None:
         """The known instance ``url`` is another spelling of (``/instances/remove``)."""
-        try:
-            other = self._by_identity.get(identity(*url_host_port(url)))
-        except ConfigError:
-            return None
+        parsed = _host_port(url)
+        other = None if parsed is None else self._by_identity.get(identity(*parsed))
         return other if other is not None and self._known(other) is not None else None
 
     def _alias(self, url: str, key: str) -> Refusal | None:
@@ -163,6 +168,13 @@ class InstanceGuard:
 
 
 _SELF = Refusal(400, "it is pdproxy's own listener (a routing loop)")
+
+
+def _host_port(url: str) -> tuple[str, int] | None:
+    try:
+        return url_host_port(url)
+    except ConfigError:
+        return None
 
 
 def _is_literal(host: str) -> bool:

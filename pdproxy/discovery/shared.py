@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
 
-from pdproxy.addresses import kv_address_problem
+from pdproxy.addresses import kv_address_problem, parse_engine_url
 from pdproxy.errors import ConfigError
 from pdproxy.types import EngineAddress, Role, Source
 
@@ -113,7 +113,12 @@ class Keys:
 
 
 def _is_url(url: str) -> bool:
-    return url.startswith(("http://", "https://")) and len(url) > 8
+    """``scheme://host:port`` as every address source checks it (it becomes a Host header)."""
+    try:
+        parse_engine_url(url)
+    except ConfigError:
+        return False
+    return url.startswith(("http://", "https://"))
 
 
 @dataclass(frozen=True, slots=True)
