@@ -120,7 +120,7 @@ class Fingerprints:
                 within=_PROBE_TIMEOUT,
             )
             answer = orjson.loads(data) if upstream.status < 300 else upstream.status
-        except (ProxyError, orjson.JSONDecodeError) as error:
+        except (ProxyError, ValueError) as error:  # not JSON, or a request not buildable
             answer = error
         if not isinstance(answer, dict):
             logger.warning("no system_fingerprint from %s: %s", url, answer)
