@@ -78,7 +78,8 @@ class ServedEndpoint:
         trace = RequestTrace(path, state.tracer.start_request(path, headers))
         token = bind(trace)  # the request's log lines carry its id from here on
         try:
-            if self.hop.returned(headers.get("via")):
+            via = headers.get("via")  # most requests have none: one lookup, no call
+            if via is not None and self.hop.returned(via):
                 raise LoopDetected("the request came back to this pdproxy: a routing loop")
             _admit(state, headers)
             answer = await self.answer(headers, receive)
@@ -135,8 +136,15 @@ class GenerationEndpoint(ServedEndpoint):
             headers.get("x-request-id"),
             upstream_auth,
             session or None,
-            self.hop.forward(headers.get("via")),
+            legs_via(self.hop, headers),
         )
+
+
+def legs_via(hop: Hop, headers: dict[str, str]) -> str:
+    """The ``Via`` a request's legs carry (``Hop.forward``, without a call for the usual
+    request that has none)."""
+    via = headers.get("via")
+    return hop.via if via is None else hop.forward(via)
 
 
 def _admit(state: AppState, headers: dict[str, str]) -> None:
