@@ -314,4 +314,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         build_parser().error(str(exc))
     state = app.state.pdproxy
     server_config = uvicorn_config(app, config)
-    DrainingServer(server_config, lambda: state.lifecycle.drain(config.shutdown_timeout)).run()
+    DrainingServer(
+        server_config,
+        lambda: state.lifecycle.drain(config.shutdown_timeout),
+        state.membership.listening,  # pdproxy's own address is refused as an instance
+    ).run()

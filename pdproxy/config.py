@@ -5,11 +5,15 @@ from __future__ import annotations
 import importlib
 import ipaddress
 import math
-import re
+import secrets
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from pdproxy.addresses import format_url as format_url
+from pdproxy.addresses import identity_host, listener_hosts, url_host_port
+from pdproxy.addresses import parse_engine_url as parse_engine_url
+from pdproxy.addresses import parse_host_port as parse_host_port
 from pdproxy.errors import ConfigError
 from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import EngineAddress
@@ -37,65 +41,6 @@ LOG_FORMATS = ("text", "json")
 def import_from_string(target: str) -> Any:
     module_name, _, attr = target.partition(":")
     return getattr(importlib.import_module(module_name), attr)
-
-
-_HOSTNAME_RE = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
-)
-
-
-def parse_host_port(text: str) -> tuple[str, int]:
-    """Split ``host:port`` (IPv6 as ``[::1]:port``) and validate both parts."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise ConfigError(f"{text!r} is not host:port")
-    port = int(port_text)
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"port {port} in {text!r} is outside 1-65535")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        _check_ip(host, text, version=6)
-    elif not _is_ip(host) and not _HOSTNAME_RE.match(host):
-        raise ConfigError(f"{host!r} in {text!r} is not a host name or IP address")
-    return host, port
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _check_ip(host: str, text: str, *, version: int) -> None:
-    try:
-        ok = ipaddress.ip_address(host).version == version
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ConfigError(f"{host!r} in {text!r} is not an IPv{version} address")
-
-
-def format_url(scheme: str, host: str, port: int) -> str:
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{scheme}://{host}:{port}"
-
-
-def parse_engine_url(text: str) -> str:
-    """Normalise ``host:port`` or ``http(s)://host:port`` to ``scheme://host:port``."""
-    scheme, sep, rest = text.strip().partition("://")
-    if not sep:
-        scheme, rest = "http", text.strip()
-    if scheme not in ("http", "https"):
-        raise ConfigError(f"{text!r}: scheme must be http or https")
-    rest = rest.rstrip("/")
-    if "/" in rest:
-        raise ConfigError(f"{text!r}: give host:port only, without a path")
-    host, port = parse_host_port(rest)
-    return format_url(scheme, host, port)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -381,6 +326,9 @@ class ProxyConfig:
     render_once: bool = False
     render: tuple[EngineAddress, ...] = ()
     workers: int = 1  # serving processes (pdproxy.workers); 1: this process serves
+    # This pdproxy's hop marker in the Via header of its legs (pdproxy.loops): random per
+    # run, the same in every --workers process (they get this config).
+    hop_id: str = field(default_factory=lambda: secrets.token_hex(8), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -416,3 +364,17 @@ class ProxyConfig:
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError as exc:
                 raise ConfigError(f"--admin-allow-cidr {cidr!r} is not a CIDR") from exc
+        for address in (*self.prefill, *self.decode, *self.render):
+            if self._names_itself(address.url):
+                raise ConfigError(f"{address.url} is pdproxy's own listener: a routing loop")
+
+    def _names_itself(self, url: str) -> bool:
+        """``url`` is literally this listener (its loopback or host, its port); the
+        membership also checks the host's other addresses (``pdproxy.loops``)."""
+        try:
+            host, port = url_host_port(url)
+        except ConfigError:  # not parsed by the CLI (a test's or an embedder's address)
+            return False
+        if not self.port or port != self.port:
+            return False
+        return identity_host(host) in listener_hosts(self.host)

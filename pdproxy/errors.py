@@ -6,10 +6,12 @@
     │   └── PayloadTooLarge   413
     ├── Unauthorized          401   no or a wrong client API key
     ├── Overloaded            429   past --max-concurrent-requests and its queue (Retry-After)
+    ├── LoopDetected          508   the request carries this pdproxy's own hop (Via)
     ├── NoEndpointAvailable   503   no routable prefill or decode instance
     │   └── ShuttingDown      503   the proxy is draining
     ├── UpstreamError               an engine leg failed
     │   ├── UpstreamConnectError 503  could not connect; nothing was sent (retry-safe)
+    │   │   └── UpstreamRequestError 503  the leg's request could not be built (the same)
     │   ├── UpstreamTimeout   504   no answer in time; the request may have run
     │   ├── UpstreamProtocolError 502  broken or truncated answer
     │   │   └── UpstreamServerError 502  a prefill answered 5xx (its body is not relayed)
@@ -78,6 +80,14 @@ class Overloaded(ProxyError):
         self.retry_after = retry_after
 
 
+class LoopDetected(ProxyError):
+    """The request arrived with this pdproxy's own hop marker: one of its own legs,
+    routed back to it (RFC 5842's 508)."""
+
+    status = 508
+    error_type = "LoopDetectedError"
+
+
 class NoEndpointAvailable(ProxyError):
     status = 503
     error_type = "ServiceUnavailableError"
@@ -99,6 +109,12 @@ class UpstreamError(ProxyError):
 class UpstreamConnectError(UpstreamError):
     status = 503
     error_type = "ServiceUnavailableError"
+
+
+class UpstreamRequestError(UpstreamConnectError):
+    """The leg's request could not be built from what the instance registered (a header
+    it cannot carry): nothing was sent. It counts against that instance, as a connect
+    failure does, and is retried elsewhere."""
 
 
 class UpstreamTimeout(UpstreamError):

@@ -17,6 +17,7 @@ class ClientRequest:
     request_id: str | None  # the client's X-Request-Id header, unvalidated
     authorization: str | None
     session: str | None = None  # the --session-header's value (consistent-hash key)
+    via: str | None = None  # the Via its legs carry: the client's hops, then this pdproxy's
 
 
 @dataclass(slots=True)

@@ -94,7 +94,9 @@ class KVRelease:
         leg: ReleaseLeg,
         source: str | None,
     ) -> None:
-        headers = leg_headers(transfer.request_id + "-release", request.authorization)
+        headers = leg_headers(
+            transfer.request_id + "-release", request.authorization, via=request.via
+        )
         try:
             upstream, _ = await self._client.post_read(
                 decode.url + leg.path,
@@ -104,7 +106,7 @@ class KVRelease:
                 within=_RELEASE_WITHIN,
             )
             status: int | None = upstream.status
-        except ProxyError as exc:
+        except (ProxyError, ValueError) as exc:  # ValueError: a header it cannot carry
             logger.info(
                 "could not release KV of %s via %s: %s", transfer.request_id, decode.url, exc
             )

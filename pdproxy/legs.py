@@ -6,7 +6,9 @@ answer raises and no decode is sent. The decode leg's status, and for a stream i
 bytes, are checked before anything reaches the client, so any failure up to then raises
 an ``UpstreamError`` the orchestrator may still retry. Concurrent connectors run both legs
 at once; a failed prefill aborts the waiting decode so a client never waits on KV that
-cannot come.
+cannot come. A leg whose request cannot be built (a header the instance's registration
+made unsendable) fails as ``UpstreamRequestError`` against that instance: nothing was sent,
+so it is retried elsewhere like a connect failure.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from pdproxy.addresses import header_safe
 from pdproxy.config import Timeouts
 from pdproxy.connectors import KVConnector, Transfer
 from pdproxy.engine_client import EngineClient, UpstreamResponse
@@ -27,6 +30,7 @@ from pdproxy.errors import (
     ProxyError,
     UpstreamError,
     UpstreamProtocolError,
+    UpstreamRequestError,
     UpstreamServerError,
     UpstreamStatusError,
 )
@@ -36,7 +40,7 @@ from pdproxy.relay import StreamRelay, StreamWatchdog
 from pdproxy.request_context import RequestTrace, current
 from pdproxy.shaping import decode_body, is_streaming, leg_headers
 from pdproxy.tracing import LegSpan
-from pdproxy.types import Endpoint
+from pdproxy.types import Endpoint, PairDecision, Role
 from pdproxy.verdicts import Verdicts
 
 logger = logging.getLogger(__name__)
@@ -76,22 +80,26 @@ class Legs:
         endpoint = transfer.decision.prefill
         rank = transfer.decision.prefill_dp_rank
         body = orjson.dumps(self._connector.prefill_body(request.body, transfer))
-        headers = leg_headers(transfer.request_id, request.authorization, rank)
+        headers = leg_headers(transfer.request_id, request.authorization, rank, request.via)
         trace = current()
         span = trace.prefill_started(transfer.request_id, endpoint.url, rank, headers)
         started = time.perf_counter()
         self._enter(endpoint, rank, weight)
         try:
-            upstream, data = await self._client.post_read(
-                endpoint.url + request.kind.path,
-                body,
-                headers,
-                leg="prefill",
-                within=self._timeouts.prefill,
-            )
-            answer = _prefill_answer(upstream, data)
+            try:
+                upstream = await self._client.post(
+                    endpoint.url + request.kind.path,
+                    body,
+                    headers,
+                    leg="prefill",
+                    stream=False,
+                    within=self._timeouts.prefill,
+                )
+            except ValueError as exc:  # http1 builds the head before anything is sent
+                raise unbuildable(endpoint, transfer.decision) from exc
+            answer = _prefill_answer(upstream, await upstream.read_all())
         except ProxyError as error:
-            self._failed(endpoint, error, span, trace)
+            self._failed(at_fault(error, endpoint, transfer.decision), error, span, trace)
             raise
         except BaseException:
             self._abandoned(endpoint, span)
@@ -115,7 +123,7 @@ class Legs:
             self._metrics.kv_params_missing.inc()
         decision = transfer.decision
         rank = decision.decode_dp_rank if self._connector.routes_decode_rank else None
-        leg = _DecodeLeg(decision.decode, rank, transfer.request_id, prefill_answer)
+        leg = _DecodeLeg(decision.decode, rank, transfer.request_id, prefill_answer, decision)
         return await self._open(request, leg, body)
 
     async def single(
@@ -131,27 +139,30 @@ class Legs:
         self, request: ClientRequest, leg: _DecodeLeg, body: Mapping[str, Any]
     ) -> ProxyResponse:
         endpoint, rank = leg.endpoint, leg.rank
-        headers = leg_headers(leg.request_id, request.authorization, rank)
+        headers = leg_headers(leg.request_id, request.authorization, rank, request.via)
         trace = current()
         span = trace.decode_started(leg.request_id, endpoint.url, headers)
         streaming = is_streaming(request.body)
         self._enter(endpoint, rank)
         try:
-            upstream = await self._client.post(
-                endpoint.url + request.kind.path,
-                orjson.dumps(body),
-                headers,
-                leg="decode",
-                stream=streaming,
-                headers_within=self._timeouts.decode_headers,
-            )
+            try:
+                upstream = await self._client.post(
+                    endpoint.url + request.kind.path,
+                    orjson.dumps(body),
+                    headers,
+                    leg="decode",
+                    stream=streaming,
+                    headers_within=self._timeouts.decode_headers,
+                )
+            except ValueError as exc:  # http1 builds the head before anything is sent
+                raise unbuildable(endpoint, leg.pair) from exc
             self._headers_arrived(trace, upstream.status < 300 and streaming)
             if streaming and upstream.status < 300:
                 return await self._stream(upstream, leg, span, trace)
             response = _whole_answer(upstream, await upstream.read_all(), leg.request_id)
         except ProxyError as error:
             leave(endpoint, rank)
-            self._failed(endpoint, error, span, trace)
+            self._failed(at_fault(error, endpoint, leg.pair), error, span, trace)
             raise
         except BaseException:
             leave(endpoint, rank)
@@ -256,6 +267,7 @@ class _DecodeLeg:
     rank: int | None
     request_id: str
     prefill_answer: Mapping[str, Any] | None
+    pair: PairDecision | None = None  # None: a decode-only request
 
 
 def enter(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
@@ -276,6 +288,29 @@ def leave(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
     endpoint.work = 0.0 if idle else endpoint.work - weight  # no float drift
     if rank is not None and rank < len(endpoint.rank_in_flight):
         endpoint.rank_in_flight[rank] -= 1
+
+
+def unbuildable(endpoint: Endpoint, pair: PairDecision | None) -> UpstreamRequestError:
+    """The error of a leg to ``endpoint`` whose request could not be built. At fault is the
+    instance whose registered KV address (in the pair's request id) cannot be sent, else
+    ``endpoint``; the error's ``leg`` is that instance's role, so the retry replaces it."""
+    culprit = endpoint
+    if pair is not None:
+        unsafe = [e for e in (pair.prefill, pair.decode) if not header_safe(e.kv_address)]
+        culprit = unsafe[0] if unsafe else endpoint
+    leg = "prefill" if culprit.role is Role.PREFILL else "decode"
+    return UpstreamRequestError(
+        f"cannot build a request for {leg} engine {culprit.url}: what it registered cannot be sent",
+        leg=leg,
+    )
+
+
+def at_fault(error: ProxyError, endpoint: Endpoint, pair: PairDecision | None) -> Endpoint:
+    """The instance a leg's failure counts against: the one whose registration made its
+    request unbuildable, else the leg's own."""
+    if isinstance(error, UpstreamRequestError) and pair is not None:
+        return pair.prefill if error.leg == "prefill" else pair.decode
+    return endpoint
 
 
 def _prefill_answer(upstream: UpstreamResponse, data: bytes) -> dict[str, Any]:

@@ -8,6 +8,9 @@ and whatever the connector must learn from it (Mooncake's engine ids); under
 run on the event loop in the background; a sweep timer expires, re-probes and finishes
 drains.
 
+Every source first passes ``InstanceGuard`` (``pdproxy.loops``): an instance that is this
+pdproxy's own listener (a routing loop) or another spelling of a known instance is refused.
+
 Observers (``observe``) hear what this process learns by itself: heartbeats, admin
 additions and removals, expiries. The shared registry (``pdproxy.discovery.etcd``) is one:
 it publishes them, and admits what other replicas publish through ``learn``, ``forget``
@@ -20,15 +23,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from pdproxy.config import ProxyConfig
 from pdproxy.connectors import KVConnector
 from pdproxy.discovery.messages import Registration
 from pdproxy.engine_client import EngineClient
-from pdproxy.errors import AdminError, UpstreamError
+from pdproxy.errors import AdminError
 from pdproxy.health import HealthChecker
+from pdproxy.instance_checks import InstanceChecks
 from pdproxy.log import RateLimitedLogger
+from pdproxy.loops import Hop, InstanceGuard, OwnListener, Refusal
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.registry import EndpointRegistry
 from pdproxy.types import Endpoint, EndpointState, EngineAddress, ProbeState, Role, Source
@@ -65,12 +70,12 @@ class Membership:
         health: HealthChecker,
         clock: Callable[[], float],
         wall_clock: Callable[[], float] = time.time,
+        own: OwnListener | None = None,
     ) -> None:
         self._config = config
         self._health = health
         self._registry = registry
-        self._client = client
-        self._connector = connector
+        self._checks = InstanceChecks(config, client, connector)
         self._metrics = metrics
         self._clock = clock
         self._wall_clock = wall_clock
@@ -80,8 +85,16 @@ class Membership:
         self._retired: dict[str, float] = {}  # url -> until when its heartbeats are ignored
         self._sweeper: asyncio.Task[None] | None = None
         self._observers: list[MembershipObserver] = []
+        own = own or OwnListener.discover(config.host, config.port)
+        self._guard = InstanceGuard(own, registry.get)
+        registry.on_removal(self._guard.forgot)
         self._warmer = PairWarmer(
-            config.health, registry=registry, client=client, connector=connector, model=config.model
+            config.health,
+            registry=registry,
+            client=client,
+            connector=connector,
+            model=config.model,
+            via=Hop.of(config.hop_id).via,
         )
 
     # -- sources -------------------------------------------------------------------------
@@ -92,7 +105,15 @@ class Membership:
             (Role.DECODE, self._config.decode),
         ):
             for address in addresses:
+                refusal = self._guard.check(address.url)
+                if refusal is not None:
+                    logger.error("refused %s %s: %s", role.value, address.url, refusal.reason)
+                    continue
                 self._admit(Endpoint(role=role, address=address, source=Source.STATIC))
+
+    def listening(self, port: int) -> None:
+        """The port pdproxy's listener got, when it was not known up front (``--port 0``)."""
+        self._guard.own.listening(port)
 
     def heartbeat(self, registration: Registration) -> str:
         """Apply one registration message; returns the outcome label."""
@@ -112,6 +133,8 @@ class Membership:
         if existing is not None and existing.source is not Source.REGISTERED:
             existing.last_seen = self._wall_clock()
             return "accepted"
+        if existing is None and self._refused(url, self._guard.check(url)):
+            return "refused"
         if (
             existing is None
             or existing.address != registration.address
@@ -135,6 +158,11 @@ class Membership:
         """Admit an instance for the admin API; raises ``AdminError`` (409, 400)."""
         if self._registry.get(address.url) is not None:
             raise AdminError(409, f"instance {address.host_port} is already registered")
+        refusal, resolved = await self._guard.check_resolved(
+            address.url, self._config.timeouts.connect
+        )
+        if refusal is not None:
+            raise AdminError(refusal.status, f"instance {address.host_port}: {refusal.reason}")
         if not self._mode_matches(address):
             raise AdminError(
                 400,
@@ -144,7 +172,7 @@ class Membership:
         endpoint = Endpoint(
             role=role, address=address, source=Source.ADMIN, state=EndpointState.PENDING
         )
-        problem = await self._check(endpoint, require_reachable=True)
+        problem = await self._checks.run(endpoint, require_reachable=True)
         if problem is not None:
             raise AdminError(400, problem)
         if self._registry.get(address.url) is not None:  # raced with a heartbeat
@@ -156,6 +184,7 @@ class Membership:
         self._retired.pop(address.url, None)
         endpoint.state = EndpointState.READY
         self._registry.add(endpoint)
+        self._guard.admitted(address.url, *resolved)
         logger.info("admin added %s %s", role.value, address.url)
         for observer in self._observers:
             observer.added(endpoint)
@@ -166,7 +195,11 @@ class Membership:
         ``announce=False``: another replica's removal, applied here (observers don't hear)."""
         endpoint = self._registry.get(url)
         if endpoint is None:
+            alias = self._guard.known_as(url)  # removed by another spelling of its address
+            endpoint = None if alias is None else self._registry.get(alias)
+        if endpoint is None:
             raise AdminError(404, "no such instance")
+        url = endpoint.url
         self._registry.set_state(url, EndpointState.DRAINING)
         if endpoint.source is Source.REGISTERED:
             self._retired[url] = self._clock() + self._config.registry.ttl
@@ -198,6 +231,8 @@ class Membership:
                 address.transfer_mode,
                 self.transfer_mode,
             )
+            return None
+        if self._registry.get(url) is None and self._refused(url, self._guard.check(url)):
             return None
         self._retired.pop(url, None)
         endpoint = Endpoint(role=role, address=address, source=source)
@@ -257,7 +292,15 @@ class Membership:
 
     # -- admission -----------------------------------------------------------------------
 
+    def _refused(self, url: str, refusal: Refusal | None) -> bool:
+        """Log a refusal (rate-limited: a peer chooses how often); True if refused."""
+        if refusal is None:
+            return False
+        self._log.warning("guard", "refused %s: %s", url, refusal.reason)
+        return True
+
     def _admit(self, endpoint: Endpoint) -> None:
+        self._guard.admitted(endpoint.url)
         self._health.admitted(endpoint)
         self._warmer.forget(endpoint.url)
         if self._needs_probe(endpoint):
@@ -272,12 +315,9 @@ class Membership:
 
     def _needs_probe(self, endpoint: Endpoint) -> bool:
         model_check = self._config.model is not None and endpoint.source is not Source.STATIC
-        return model_check or self._bootstrap_url(endpoint) is not None or self._warmer.enabled
-
-    def _bootstrap_url(self, endpoint: Endpoint) -> str | None:
-        if endpoint.role is not Role.PREFILL:
-            return None
-        return self._connector.prefill_bootstrap_url(endpoint.address)
+        return (
+            model_check or self._checks.bootstrap_url(endpoint) is not None or self._warmer.enabled
+        )
 
     def _probe_in_background(self, endpoint: Endpoint) -> None:
         if endpoint.url in self._probes:
@@ -287,7 +327,11 @@ class Membership:
         task.add_done_callback(lambda _: self._probes.pop(endpoint.url, None))
 
     async def _probe(self, endpoint: Endpoint) -> None:
-        problem = await self._check(endpoint, require_reachable=False)
+        try:
+            problem = await self._checks.run(endpoint, require_reachable=False)
+        except Exception:  # an answer no check foresaw must not end the probe unseen
+            logger.exception("probe of %s failed", endpoint.url)
+            problem = "its probe failed"
         if problem is None:
             await self._warmer.warm(endpoint)  # bounded; routable afterwards whatever happened
         if self._registry.get(endpoint.url) is not endpoint:
@@ -298,31 +342,6 @@ class Membership:
         elif problem:
             self._registry.remove(endpoint.url)
             self._log.warning("probe:" + endpoint.url, "refused %s: %s", endpoint.url, problem)
-
-    async def _check(self, endpoint: Endpoint, *, require_reachable: bool) -> str | None:
-        """None when admissible; a reason when refused; "" when unreachable (retry later)."""
-        try:
-            if self._config.model is not None or require_reachable:
-                problem = await self._check_model(endpoint)
-                if problem:
-                    return problem
-            bootstrap = self._bootstrap_url(endpoint)
-            if bootstrap is not None:
-                answer = await self._client.get_json(bootstrap)
-                endpoint.engine_ids = self._connector.parse_bootstrap(answer)
-        except (UpstreamError, ValueError) as exc:
-            if require_reachable:
-                return f"instance did not answer its probe: {exc}"
-            return ""
-        return None
-
-    async def _check_model(self, endpoint: Endpoint) -> str | None:
-        answer: Any = await self._client.get_json(endpoint.url + "/v1/models")
-        served = [m.get("id") for m in answer.get("data", [])] if isinstance(answer, dict) else []
-        endpoint.models = tuple(m for m in served if isinstance(m, str))
-        if self._config.model is not None and self._config.model not in endpoint.models:
-            return f"serves {list(endpoint.models)}, not model {self._config.model!r}"
-        return None
 
     def _mode_matches(self, address: EngineAddress) -> bool:
         mode = address.transfer_mode

@@ -12,7 +12,8 @@ decode leg is: the same retry-safe reasons (``resilience.retry``), ``--max-retri
 request, the fleet-wide retry budget shared with the generation endpoints, backoff once
 every decode was tried. A pinned response is never retried elsewhere: no other instance
 holds its conversation. The leg counts on its instance while it runs and is judged once
-(``Verdicts``), like any decode leg.
+(``Verdicts``), like any decode leg; a leg whose request cannot be built fails against its
+instance as nothing sent (``legs.unbuildable``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pdproxy.config import RetryConfig, Timeouts
 from pdproxy.engine_client import EngineClient, UpstreamResponse
 from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamError, UpstreamStatusError
 from pdproxy.exchange import ProxyResponse
-from pdproxy.legs import cancel, enter, leave
+from pdproxy.legs import cancel, enter, leave, unbuildable
 from pdproxy.metrics import ProxyMetrics
 from pdproxy.registry import EndpointRegistry
 from pdproxy.relay import RESPONSES_SSE, StreamRelay, StreamWatchdog
@@ -62,6 +63,7 @@ class PassthroughRequest:
     request_id: str | None  # the client's X-Request-Id header, unvalidated
     authorization: str | None
     session: str | None = None  # the --session-header's value (consistent-hash key)
+    via: str | None = None  # the Via its leg carries: the client's hops, then this pdproxy's
 
 
 @dataclass(slots=True)
@@ -184,13 +186,16 @@ class Passthrough:
         route = request.route
         rank = rank if route.responses else None  # only vLLM's generation reads the header
         streaming = route.responses and request.body is not None and is_streaming(request.body)
-        headers = leg_headers(request_id, request.authorization, rank)
+        headers = leg_headers(request_id, request.authorization, rank, request.via)
         trace = current()
         span = trace.decode_started(request_id, endpoint.url, headers)
         enter(endpoint, rank)
         self._metrics.count_leg(endpoint.role.value, endpoint.url)
         try:
-            upstream = await self._open(request, endpoint, headers, streaming)
+            try:
+                upstream = await self._open(request, endpoint, headers, streaming)
+            except ValueError as exc:  # http1 builds the head before anything is sent
+                raise unbuildable(endpoint, None) from exc
             trace.decode_headers = time.perf_counter()
             if streaming and upstream.status < 300:
                 return await self._stream(upstream, endpoint, rank, request_id, span)

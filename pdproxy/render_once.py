@@ -76,12 +76,14 @@ class Fingerprints:
     def get(self, url: str) -> str | None:
         return self._known.get(url)
 
-    async def learn(self, urls: Iterable[str], model: str, authorization: str | None) -> None:
+    async def learn(
+        self, urls: Iterable[str], model: str, authorization: str | None, via: str | None = None
+    ) -> None:
         """Ask every decode in ``urls`` not known yet, at once, waiting at most
         ``_LEARN_WAIT`` for them (a silent one is still asked, in the background)."""
         unknown = [url for url in urls if not self.known(url)]
         if unknown:
-            asking = [asyncio.ensure_future(self.of(u, model, authorization)) for u in unknown]
+            asking = [asyncio.ensure_future(self.of(u, model, authorization, via)) for u in unknown]
             _, pending = await asyncio.wait(asking, timeout=_LEARN_WAIT)
             for waiter in pending:
                 waiter.cancel()  # the waiter only: the shielded probe goes on
@@ -92,19 +94,23 @@ class Fingerprints:
             probe.cancel()
         await asyncio.gather(*probes, return_exceptions=True)
 
-    async def of(self, url: str, model: str, authorization: str | None) -> str | None:
+    async def of(
+        self, url: str, model: str, authorization: str | None, via: str | None = None
+    ) -> str | None:
         if self.known(url):
             return self._known.get(url)
         asking = self._asking.get(url)
         if asking is None:
-            asking = asyncio.ensure_future(self._ask(url, model, authorization))
+            asking = asyncio.ensure_future(self._ask(url, model, authorization, via))
             self._asking[url] = asking
             asking.add_done_callback(lambda _: self._asking.pop(url, None))
         return await asyncio.shield(asking)
 
-    async def _ask(self, url: str, model: str, authorization: str | None) -> str | None:
+    async def _ask(
+        self, url: str, model: str, authorization: str | None, via: str | None
+    ) -> str | None:
         body = {MODEL: model, "prompt": [0], "max_tokens": 1, "temperature": 0}
-        headers = leg_headers(f"fingerprint-{uuid.uuid4().hex}", authorization)
+        headers = leg_headers(f"fingerprint-{uuid.uuid4().hex}", authorization, via=via)
         try:
             upstream, data = await self._client.post_read(
                 url + ApiKind.COMPLETIONS.path,
@@ -114,7 +120,7 @@ class Fingerprints:
                 within=_PROBE_TIMEOUT,
             )
             answer = orjson.loads(data) if upstream.status < 300 else upstream.status
-        except (ProxyError, orjson.JSONDecodeError) as error:
+        except (ProxyError, ValueError) as error:  # not JSON, or a request not buildable
             answer = error
         if not isinstance(answer, dict):
             logger.warning("no system_fingerprint from %s: %s", url, answer)
@@ -164,13 +170,16 @@ class RenderOnce:
             return await self._text_path(request, reason)
         self._metrics.render_once.labels(RENDERED).inc()
         decodes = (e.url for e in self._registry.snapshot().decode)
-        await self._fingerprints.learn(decodes, str(request.body.get(MODEL)), request.authorization)
+        await self._fingerprints.learn(
+            decodes, str(request.body.get(MODEL)), request.authorization, request.via
+        )
         generate = ClientRequest(
             ApiKind.GENERATE,
             generate_body(request.body, rendered),
             request.request_id,
             request.authorization,
             request.session,
+            request.via,
         )
         response = await self._orchestrator.handle(generate)
         try:
@@ -195,6 +204,7 @@ class RenderOnce:
             request.request_id,
             request.authorization,
             request.session,
+            request.via,
         )
         response = await self._render.handle(passthrough)
         try:

@@ -43,15 +43,25 @@ def settle_garbage_collector() -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: Callable[[], Awaitable[None]],
+        listening: Callable[[int], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self._drain = drain
+        self._listening = listening  # told the bound port (--port 0 picks one)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self._listening is not None:
+            for server in self.servers:
+                for sock in server.sockets:
+                    self._listening(sock.getsockname()[1])
         settle_garbage_collector()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -35,6 +35,7 @@ SAMPLING_PARAMS = "sampling_params"
 HEADER_REQUEST_ID = "X-Request-Id"
 HEADER_DP_RANK = "X-data-parallel-rank"
 HEADER_AUTHORIZATION = "Authorization"
+HEADER_VIA = "Via"  # the hop markers a leg carries (pdproxy.loops.Hop)
 
 # Fields a one-token leg must not carry: it never streams, and vLLM rejects
 # min_tokens > max_tokens. A prefill leg never carries the client's own KV params either.
@@ -129,12 +130,15 @@ def peer_request_id(prefill_kv_address: str, decode_kv_address: str) -> str:
 
 
 def leg_headers(
-    request_id: str, authorization: str | None, dp_rank: int | None = None
+    request_id: str, authorization: str | None, dp_rank: int | None = None, via: str | None = None
 ) -> dict[str, str]:
-    """Headers for one upstream leg; the same request id goes to both legs."""
+    """Headers for one upstream leg; the same request id goes to both legs. ``via``: the
+    request's hop markers, this pdproxy's last."""
     headers = {"Content-Type": "application/json", HEADER_REQUEST_ID: request_id}
     if authorization is not None:
         headers[HEADER_AUTHORIZATION] = authorization
     if dp_rank is not None:
         headers[HEADER_DP_RANK] = str(dp_rank)
+    if via is not None:
+        headers[HEADER_VIA] = via
     return headers

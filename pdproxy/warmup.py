@@ -61,7 +61,9 @@ class PairWarmer:
         client: EngineClient,
         connector: KVConnector,
         model: str | None,
+        via: str | None = None,  # this pdproxy's hop marker (pdproxy.loops.Hop)
     ) -> None:
+        self._via = via
         self._peers = config.warm_pairs
         self._timeout = config.warm_timeout
         self._registry = registry
@@ -157,7 +159,7 @@ class PairWarmer:
         transfer = connector.begin(
             PairDecision(prefill, decode), WARMUP_ID_PREFIX + uuid.uuid4().hex
         )
-        headers = leg_headers(transfer.request_id, None)
+        headers = leg_headers(transfer.request_id, None, via=self._via)
         prefill_body = connector.prefill_body(original, transfer)
         if connector.runs_concurrently(transfer):
             decode_body = connector.decode_body(original, transfer, None)

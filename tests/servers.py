@@ -57,6 +57,7 @@ async def running_proxy(config: ProxyConfig, **app_options: Any) -> AsyncIterato
         if not server.started:
             raise RuntimeError("pdproxy did not start")
         port = server.servers[0].sockets[0].getsockname()[1]
+        app.state.pdproxy.membership.listening(port)  # as pdproxy's own listener would
         scheme = "https" if tls.enabled else "http"
         yield RunningProxy(f"{scheme}://127.0.0.1:{port}", app, server)
     finally:

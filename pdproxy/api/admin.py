@@ -3,7 +3,9 @@
 Compatible with vLLM's disagg_proxy_demo.py (``POST /instances/add {"type", "instance"}``)
 and safer: never open by default, constant-time key comparison, validated addresses (with
 an optional CIDR allow-list so the API cannot be pointed at internal hosts), 409 on
-duplicates. The key never appears in a log line or a response, right or wrong.
+duplicates and on another name of a known instance, 400 for pdproxy's own address. Every
+malformed body answers 4xx with the field at fault, never 500. The key never appears in a
+log line or a response, right or wrong.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from pdproxy.addresses import format_url, kv_address_problem, parse_host_port
 from pdproxy.api.errors import json_response
 from pdproxy.api.info import describe
 from pdproxy.api.state import AppState
-from pdproxy.config import TRANSFER_MODES, format_url, parse_host_port
+from pdproxy.config import TRANSFER_MODES
 from pdproxy.errors import AdminError, ConfigError
 from pdproxy.types import EngineAddress, Role
 
@@ -29,6 +32,7 @@ router = APIRouter(prefix="/instances")
 
 _ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE}
 _MAX_BODY = 16 * 1024
+_MAX_ADDRESS = 300  # a 253-character name, a port and an IPv6 address's brackets fit
 
 
 def _state(request: Request) -> AppState:
@@ -68,13 +72,14 @@ async def _json_body(request: Request) -> dict[str, Any]:
 async def add_instance(request: Request) -> Response:
     state = _authorize(request)
     body = await _json_body(request)
-    role = _ROLES.get(body.get("type"))  # type: ignore[arg-type]
+    kind = body.get("type")
+    role = _ROLES.get(kind) if isinstance(kind, str) else None
     if role is None:
         raise AdminError(400, "'type' must be 'prefill' or 'decode'")
     host, port = await _allowed_address(body.get("instance"), state.config.admin_allow_cidrs)
     address = EngineAddress(
         url=format_url("http", host, port),
-        zmq_address=_optional_str(body, "zmq_address"),
+        zmq_address=_kv_address(body),
         dp_size=_optional_size(body, "dp_size"),
         tp_size=_optional_size(body, "tp_size"),
         transfer_mode=_optional_mode(body),
@@ -108,7 +113,7 @@ async def list_instances(request: Request) -> Response:
 
 
 def _address(value: object) -> tuple[str, int]:
-    if not isinstance(value, str):
+    if not isinstance(value, str) or len(value) > _MAX_ADDRESS:
         raise AdminError(400, "'instance' must be a host:port string")
     try:
         return parse_host_port(value.strip())
@@ -132,10 +137,15 @@ async def _allowed_address(value: object, cidrs: tuple[str, ...]) -> tuple[str, 
     return host, port
 
 
-def _optional_str(body: dict[str, Any], key: str) -> str | None:
-    value = body.get(key)
-    if value is not None and (not isinstance(value, str) or not value or len(value) > 512):
-        raise AdminError(400, f"'{key}' must be a non-empty string")
+def _kv_address(body: dict[str, Any]) -> str | None:
+    value = body.get("zmq_address")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise AdminError(400, "'zmq_address' must be a string")
+    problem = kv_address_problem(value)
+    if problem is not None:
+        raise AdminError(400, f"'zmq_address' {problem}")
     return value
 
 

@@ -24,6 +24,7 @@ from pdproxy.api.errors import JSON, error_body, internal_error
 from pdproxy.api.state import AppState
 from pdproxy.errors import (
     BadRequest,
+    LoopDetected,
     Overloaded,
     PayloadTooLarge,
     ProxyError,
@@ -33,6 +34,7 @@ from pdproxy.errors import (
 )
 from pdproxy.exchange import ClientRequest, ProxyResponse
 from pdproxy.lifecycle import Lifecycle
+from pdproxy.loops import Hop
 from pdproxy.relay import SSE_DONE, StreamRelay
 from pdproxy.request_context import RequestTrace, bind, unbind
 from pdproxy.shaping import MESSAGES, MODEL, PROMPT, SAMPLING_PARAMS, TOKEN_IDS, is_token_in
@@ -53,13 +55,15 @@ Answer = Callable[[], Awaitable[ProxyResponse]]
 
 class ServedEndpoint:
     """What every proxied endpoint does around its answer: the in-flight count, the
-    request's trace and log context, the key and drain checks, admission, disconnects,
-    the OpenAI-shaped error, and the request's end (metrics, span, access line)."""
+    request's trace and log context, the loop, key and drain checks, admission,
+    disconnects, the OpenAI-shaped error, and the request's end (metrics, span, access
+    line)."""
 
     path: str
 
     def __init__(self, state: AppState) -> None:
         self._state = state
+        self.hop = Hop.of(state.config.hop_id)
         self._finish = RequestFinisher(state.metrics, access_log=state.config.access_log)
 
     async def answer(self, headers: dict[str, str], receive: Receive) -> Answer:
@@ -74,6 +78,9 @@ class ServedEndpoint:
         trace = RequestTrace(path, state.tracer.start_request(path, headers))
         token = bind(trace)  # the request's log lines carry its id from here on
         try:
+            via = headers.get("via")  # most requests have none: one lookup, no call
+            if via is not None and self.hop.returned(via):
+                raise LoopDetected("the request came back to this pdproxy: a routing loop")
             _admit(state, headers)
             answer = await self.answer(headers, receive)
             trace.outcome = await _serve(state, answer, receive, send, trace)
@@ -124,8 +131,20 @@ class GenerationEndpoint(ServedEndpoint):
         upstream_auth = state.engine_authorization or headers.get("authorization")
         session = headers.get(state.config.scheduling.session_header)
         return ClientRequest(
-            self.kind, body, headers.get("x-request-id"), upstream_auth, session or None
+            self.kind,
+            body,
+            headers.get("x-request-id"),
+            upstream_auth,
+            session or None,
+            legs_via(self.hop, headers),
         )
+
+
+def legs_via(hop: Hop, headers: dict[str, str]) -> str:
+    """The ``Via`` a request's legs carry (``Hop.forward``, without a call for the usual
+    request that has none)."""
+    via = headers.get("via")
+    return hop.via if via is None else hop.forward(via)
 
 
 def _admit(state: AppState, headers: dict[str, str]) -> None:

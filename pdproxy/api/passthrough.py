@@ -15,7 +15,7 @@ import functools
 import orjson
 from starlette.types import Receive
 
-from pdproxy.api.openai import Answer, ServedEndpoint, read_json_body
+from pdproxy.api.openai import Answer, ServedEndpoint, legs_via, read_json_body
 from pdproxy.api.state import AppState
 from pdproxy.errors import BadRequest
 from pdproxy.passthrough import PassthroughRequest
@@ -40,8 +40,11 @@ class PassthroughEndpoint(ServedEndpoint):
         upstream_auth = state.engine_authorization or headers.get("authorization")
         session = headers.get(state.config.scheduling.session_header) or None
         request_id = headers.get("x-request-id")
+        via = legs_via(self.hop, headers)
         if self.route.method == "GET":
-            return PassthroughRequest(self.route, None, b"", request_id, upstream_auth, session)
+            return PassthroughRequest(
+                self.route, None, b"", request_id, upstream_auth, session, via
+            )
         raw = await read_json_body(headers, receive, state.config.max_body_bytes)
         try:
             body = orjson.loads(raw)
@@ -49,4 +52,4 @@ class PassthroughEndpoint(ServedEndpoint):
             raise BadRequest(f"invalid JSON body: {exc.msg}") from exc
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
-        return PassthroughRequest(self.route, body, raw, request_id, upstream_auth, session)
+        return PassthroughRequest(self.route, body, raw, request_id, upstream_auth, session, via)

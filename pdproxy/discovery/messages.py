@@ -15,7 +15,10 @@ applying it twice is harmless (engines re-send every 3 s).
 
 A remote peer controls every byte, so ``decode`` raises nothing but
 ``RegistryMessageError`` for any input: each field's type is checked before the value is
-hashed, looked up or parsed, and error messages never echo an arbitrary value.
+hashed, looked up or parsed, and error messages never echo an arbitrary value. Addresses
+follow ``pdproxy.addresses``: the HTTP address is written canonically (ASCII-digit port,
+no unroutable host), and a ``zmq_address``, which goes into request ids and headers as the
+engine wrote it, must be printable ASCII ``host:port`` or MoRIIO's form.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from urllib.parse import urlsplit
 
 import msgpack
 
-from pdproxy.config import TRANSFER_MODES, format_url, parse_host_port
+from pdproxy.addresses import canonical_host, format_url, kv_address_problem, parse_host_port
+from pdproxy.config import TRANSFER_MODES
 from pdproxy.errors import ConfigError, RegistryMessageError
 from pdproxy.types import EngineAddress, Role
 
@@ -78,7 +82,7 @@ def _unpack(payload: bytes, max_bytes: int) -> Message:
 
 def _decode_current(data: Message, role: Role) -> Registration:
     http_address = _host_port(data.get("http_address"), "http_address")
-    zmq_address = _text(data.get("zmq_address"), "zmq_address")
+    zmq_address = _kv_address(data.get("zmq_address"))
     moriio = any(k in data for k in ("dp_size", "tp_size", "transfer_mode"))
     address = EngineAddress(
         url=format_url("http", *http_address),
@@ -124,9 +128,15 @@ def _host_port(value: object, name: str) -> tuple[str, int]:
     try:
         return parse_host_port(text)
     except ConfigError as exc:
-        raise RegistryMessageError(f"{name}: {exc}") from exc
-    except ValueError as exc:  # int() of a digit str.isdigit() allows, such as "²"
-        raise RegistryMessageError(f"{name} must be host:port") from exc
+        raise RegistryMessageError(f"{name} must be host:port with a routable host") from exc
+
+
+def _kv_address(value: object) -> str:
+    text = _text(value, "zmq_address")
+    problem = kv_address_problem(text)
+    if problem is not None:
+        raise RegistryMessageError(f"zmq_address {problem}")
+    return text
 
 
 def _request_address(value: object) -> tuple[str, str, int]:
@@ -139,7 +149,10 @@ def _request_address(value: object) -> tuple[str, str, int]:
         raise RegistryMessageError("request_address must be http://host:port/...") from exc
     if parts.scheme not in ("http", "https") or not host or port is None or port < 1:
         raise RegistryMessageError("request_address must be http://host:port/...")
-    return parts.scheme, host, port
+    try:
+        return parts.scheme, canonical_host(host, url), port
+    except ConfigError as exc:
+        raise RegistryMessageError("request_address must name a routable host") from exc
 
 
 def _size(value: object, name: str) -> int:
@@ -149,7 +162,7 @@ def _size(value: object, name: str) -> int:
 
 
 def _port(value: object, name: str) -> int:
-    if isinstance(value, str) and value.isdigit():
+    if isinstance(value, str) and value.isascii() and value.isdigit():
         value = _digits(value, name)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
         raise RegistryMessageError(f"{name} must be a port number")
@@ -157,8 +170,8 @@ def _port(value: object, name: str) -> int:
 
 
 def _digits(text: str, name: str) -> int:
-    # str.isdigit() is also true for "²", which int() rejects, and int() refuses more
-    # than 4300 digits; both are a peer's choice.
+    # int() refuses more than 4300 digits, a peer's choice (only ASCII digits get here:
+    # str.isdigit() is also true for "²" and Arabic-Indic digits).
     if len(text) <= _MAX_TEXT:
         with contextlib.suppress(ValueError):
             return int(text)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
 
+from pdproxy.addresses import kv_address_problem, parse_engine_url
 from pdproxy.errors import ConfigError
 from pdproxy.types import EngineAddress, Role, Source
 
@@ -112,7 +113,12 @@ class Keys:
 
 
 def _is_url(url: str) -> bool:
-    return url.startswith(("http://", "https://")) and len(url) > 8
+    """``scheme://host:port`` as every address source checks it (it becomes a Host header)."""
+    try:
+        parse_engine_url(url)
+    except ConfigError:
+        return False
+    return url.startswith(("http://", "https://"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +170,7 @@ def decode(raw: bytes) -> Record:
         raise ValueError(f"url {url!r}")
     address = EngineAddress(
         url=url,
-        zmq_address=_optional(value, "zmq_address"),
+        zmq_address=_kv_address(value),
         dp_size=_size(value, "dp_size"),
         tp_size=_size(value, "tp_size"),
         transfer_mode=_optional(value, "transfer_mode"),
@@ -182,6 +188,14 @@ def _field(value: dict[str, Any], name: str, kind: type) -> Any:
 
 def _optional(value: dict[str, Any], name: str) -> str | None:
     return None if value.get(name) is None else _field(value, name, str)
+
+
+def _kv_address(value: dict[str, Any]) -> str | None:
+    """As the ZMQ registry checks it (it goes into request ids and headers)."""
+    text = _optional(value, "zmq_address")
+    if text is not None and kv_address_problem(text) is not None:
+        raise ValueError("zmq_address is not a KV address")
+    return text
 
 
 def _size(value: dict[str, Any], name: str) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -103,7 +104,8 @@ class _Slot:
 
 class _Supervisor:
     def __init__(self, config: ProxyConfig, run_dir: RunDir, port: int) -> None:
-        self._config = config
+        # The resolved port: the membership owner refuses pdproxy's own address as an instance.
+        self._config = dataclasses.replace(config, port=port)
         self._run_dir = run_dir
         self._port = port
         self._slots = [_Slot(i) for i in range(config.workers)]

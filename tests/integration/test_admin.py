@@ -117,6 +117,13 @@ async def test_add_list_remove_with_right_key(caplog):
         {"type": "both", "instance": "127.0.0.1:80"},
         {"type": "decode", "instance": "127.0.0.1:80", "dp_size": 0},
         {"type": "decode", "instance": "127.0.0.1:80", "transfer_mode": "PUSH"},
+        # issue 19 row 12: these were 500s or accepted
+        {"type": "decode", "instance": "127.0.0.1:\u00b2"},
+        {"type": "decode", "instance": "127.0.0.1:\u0668\u0660"},
+        {"type": ["decode"], "instance": "127.0.0.1:80"},
+        {"type": "decode", "instance": "0.0.0.0:80"},
+        {"type": "decode", "instance": "127.0.0.1:80", "zmq_address": "a:1\r\nX: y"},
+        {"type": "decode", "instance": "127.0.0.1:80", "zmq_address": "a:1\u20ac"},
     ],
 )
 async def test_bad_address_is_400_and_changes_nothing(body):
@@ -194,3 +201,28 @@ async def test_remove_while_busy_drains():
                 break
             await asyncio.sleep(0.02)
         assert proxy.state.registry.get(busy_sim.url) is None
+
+
+async def test_own_address_and_aliases_refused():
+    """Issue 19 rows 4 and 12: pdproxy's own address was accepted (a routing loop), and
+    localhost:P beside 127.0.0.1:P was a second instance."""
+    async with (
+        admin_proxy() as (proxy, p, _),
+        running_sim(SimConfig(role="decode", model=MODEL)) as extra,
+    ):
+        own = proxy.url.rsplit(":", 1)[1]
+        for instance in (f"127.0.0.1:{own}", f"localhost:{own}", f"[::1]:{own}"):
+            status, text = await _admin(
+                proxy, "/instances/add", {"type": "decode", "instance": instance}
+            )
+            assert status == 400 and "own listener" in text
+        status, text = await _admin(
+            proxy, "/instances/add", {"type": "prefill", "instance": f"localhost:{p.port}"}
+        )
+        assert status == 409 and "another name" in text
+        body = {"type": "decode", "instance": f"localhost:{extra.port}"}
+        assert (await _admin(proxy, "/instances/add", body))[0] == 200
+        for alias in (f"127.0.0.1:{extra.port}", f"[::1]:{extra.port}"):
+            status, _ = await _admin(proxy, "/instances/add", {**body, "instance": alias})
+            assert status == 409
+        assert len(proxy.state.registry) == 3

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgpack
 import pytest
 
 from engines.ports import free_port
@@ -170,3 +171,32 @@ def test_limiter_tables_are_capped_and_forget_stale_peers():
     clock.now += 10
     limiter.strike(b"new", 101)
     assert len(limiter) == 2
+
+
+# -- issue 19: pdproxy's own address, strings that go into headers ------------------------
+
+
+async def test_own_address_and_unsendable_zmq_address_refused(caplog):
+    caplog.set_level(logging.WARNING, logger="pdproxy")
+    async with (
+        guarded_proxy() as (proxy, endpoint),
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        dealer(endpoint) as sock,
+    ):
+        metrics = proxy.state.metrics
+        own = proxy.url.rsplit(":", 1)[1]
+        for host in ("127.0.0.1", "localhost", "[::1]"):
+            await sock.send(
+                msgpack.dumps({"type": "D", "http_address": f"{host}:{own}", "zmq_address": "h:1"})
+            )
+        await until(lambda: value(metrics.registry_messages, "refused") >= 3)
+        for zmq_address in ("h:1\r\nX-Injected: 1", "h:1\u20ac"):
+            message = {
+                "type": "P",
+                "http_address": f"127.0.0.1:{p.port}",
+                "zmq_address": zmq_address,
+            }
+            await sock.send(msgpack.dumps(message))
+        await until(lambda: value(metrics.registry_messages, "malformed") >= 2)
+        assert len(proxy.state.registry) == 0
+    assert "own listener" in caplog.text

@@ -168,3 +168,44 @@ def test_bad_fault_tolerance_flags_exit_2(argv):
     with pytest.raises(SystemExit) as exc:
         parse_config(["--prefill", "a:1", "--decode", "b:2", *argv], {})
     assert exc.value.code == 2
+
+
+# -- issue 19: instance addresses on the command line -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--prefill", "a:\u0668\u0660", "--decode", "c:3"],  # Arabic-Indic digits
+        ["--prefill", "a:\u00b2", "--decode", "c:3"],
+        ["--prefill", "a:1", "\u0668\u0660", "--decode", "c:3"],  # a bootstrap port
+        ["--prefill", "0.0.0.0:1", "--decode", "c:3"],
+        ["--prefill", "a:1", "--decode", "[::]:3"],
+        # pdproxy's own listener, by any literal spelling: a routing loop
+        ["--prefill", "a:1", "--decode", "localhost:8000"],
+        ["--prefill", "127.0.0.2:8000", "--decode", "c:3"],
+        ["--prefill", "a:1", "--decode", "[::1]:8000"],
+        ["--port", "9", "--prefill", "a:1", "--decode", "127.1:9"],
+        ["--host", "10.0.0.7", "--prefill", "10.0.0.7:8000", "--decode", "c:3"],
+    ],
+)
+def test_bad_instance_addresses_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(argv, {})
+    assert exc.value.code == 2
+
+
+def test_same_port_on_another_host_is_not_a_loop():
+    cfg = parse_config(["--prefill", "10.0.0.5:8000", "--decode", "engine:8000"], {})
+    assert [a.url for a in cfg.prefill] == ["http://10.0.0.5:8000"]
+    cfg = parse_config(["--host", "10.0.0.7", "--prefill", "127.0.0.1:8000", "--decode", "c:3"], {})
+    assert cfg.prefill[0].url == "http://127.0.0.1:8000"  # not where pdproxy listens
+
+
+def test_hop_id_is_random_and_survives_replace():
+    import dataclasses
+
+    first = parse_config(["--prefill", "a:1", "--decode", "c:3"], {})
+    second = parse_config(["--prefill", "a:1", "--decode", "c:3"], {})
+    assert len(first.hop_id) == 16 and first.hop_id != second.hop_id
+    assert dataclasses.replace(first, port=9).hop_id == first.hop_id  # --workers' resolved port

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.addresses import header_safe
 from pdproxy.discovery.messages import decode
 from pdproxy.errors import RegistryMessageError
 from pdproxy.types import Role
@@ -206,7 +207,10 @@ def _decodes_or_refuses(payload: bytes, max_bytes: int = MAX) -> None:
     except RegistryMessageError:
         return
     assert reg is None or (
-        isinstance(reg.role, Role) and reg.address.url.startswith(("http://", "https://"))
+        isinstance(reg.role, Role)
+        and reg.address.url.startswith(("http://", "https://"))
+        and header_safe(reg.address.url)
+        and (reg.address.zmq_address is None or header_safe(reg.address.zmq_address))
     )
 
 
@@ -275,3 +279,71 @@ def test_regression_odd_field_types_raise_message_error(payload):
     """
     with pytest.raises(RegistryMessageError):
         decode(payload, MAX)
+
+
+# -- issue 19: strings that go into headers and request ids, ports, unroutable hosts ------
+
+
+def _p2p(http_address="10.0.0.1:20003", zmq_address="10.0.0.1:21001", **extra):
+    return _enc({"type": "P", "http_address": http_address, "zmq_address": zmq_address, **extra})
+
+
+@pytest.mark.parametrize(
+    "zmq_address",
+    [
+        pytest.param("10.0.0.1:21001\r\nX-Injected: 1", id="crlf"),
+        pytest.param("10.0.0.1:21001\n", id="trailing-lf"),
+        pytest.param("10.0.0.1:2100\u20ac", id="not-latin-1"),
+        pytest.param("caf\u00e9:21001", id="latin-1-not-ascii"),
+        pytest.param("10.0.0.1\x00:21001", id="nul"),
+        pytest.param("10.0.0.1:21001\x7f", id="del"),
+        pytest.param("z", id="no-port"),
+        pytest.param("host:10.0.0.1,handshake:6301,notify:610050", id="moriio-port-too-long"),
+        pytest.param("host:\u00e9,handshake:6301,notify:61005", id="moriio-host-not-ascii"),
+    ],
+)
+def test_regression_unsendable_zmq_address_is_refused_at_decode(zmq_address):
+    """Issue 19 row 5: a zmq_address with CR/LF or non-Latin-1 text was accepted; every
+    request through that instance then failed with a 500 (its request id could not be put
+    in a header), never counted against it, and it stayed routable."""
+    with pytest.raises(RegistryMessageError):
+        decode(_p2p(zmq_address=zmq_address), MAX)
+    with pytest.raises(RegistryMessageError):
+        decode(_p2p(zmq_address=zmq_address, dp_size=1, tp_size=1, transfer_mode="READ"), MAX)
+
+
+@pytest.mark.parametrize(
+    "http_address",
+    [
+        "10.0.0.1:\u0668\u0660\u0660\u0660",  # Arabic-Indic 8000: int() reads it
+        "10.0.0.1:\u00b2",
+        "0.0.0.0:8000",
+        "[::]:8000",
+        "224.0.0.1:8000",
+        "h\n:8000",
+    ],
+)
+def test_http_address_ports_are_ascii_and_hosts_routable(http_address):
+    with pytest.raises(RegistryMessageError):
+        decode(_p2p(http_address=http_address), MAX)
+
+
+def test_http_address_is_written_canonically():
+    for spelling in ("[::ffff:10.0.0.1]:20003", "10.0.0.1:20003", "0x0a.0.0.1:20003"):
+        assert decode(_p2p(http_address=spelling), MAX).address.url == "http://10.0.0.1:20003"
+    assert decode(_p2p(http_address="Node-1:8"), MAX).address.url == "http://node-1:8"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"handshake_port": "\u0668\u0660"},
+        {"notify_port": "\uff18\uff10"},
+        {"request_address": "http://0.0.0.0:8100/v1/completions"},
+        {"request_address": "http://\u00e4\u20ac:8100/v1/completions"},
+        {"request_address": "http://a b:8100/v1/completions"},
+    ],
+)
+def test_legacy_ports_and_hosts_refused(overrides):
+    with pytest.raises(RegistryMessageError):
+        decode(_legacy(**overrides), MAX)

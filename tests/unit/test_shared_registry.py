@@ -263,3 +263,21 @@ def test_the_flags_reach_the_config_and_a_missing_client_is_a_clear_error(monkey
         shared.require_etcd()
     with pytest.raises(SystemExit):
         cli.parse_config(argv, environ={})
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("zmq_address", "10.0.0.7:21001\r\nX-Injected: 1"),
+        ("zmq_address", "10.0.0.7:2100\u20ac"),
+        ("url", "http://\u00e4\u20ac:8100"),
+        ("url", "http://0.0.0.0:8100"),
+        ("url", "http://10.0.0.7:\u0668\u0660"),
+    ],
+)
+def test_a_record_that_would_go_unsendable_into_a_header_is_refused(field, bad):
+    """Issue 19: another replica's record is checked as a registration is."""
+    value = json.loads(encode(_record()))
+    value[field] = bad
+    with pytest.raises(ValueError):
+        decode(json.dumps(value).encode())

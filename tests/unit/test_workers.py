@@ -201,3 +201,15 @@ def test_the_owners_probes_replay_their_effect_on_this_workers_ejections(followe
     link.apply(Snapshot(4, (_record(P, Role.PREFILL), down)))
     link.apply(Snapshot(5, (_record(P, Role.PREFILL), _record(D))))
     assert decode.health.probe is ProbeState.HEALTHY and decode.health.consecutive_failures == 0
+
+
+def test_the_owner_knows_the_resolved_port_and_every_process_the_hop(tmp_path):
+    """Issue 19: the membership owner serves no HTTP, yet refuses pdproxy's own address as
+    an instance; with ``--port 0`` only the supervisor knows which port that is."""
+    from pdproxy.workers.supervisor import _Supervisor
+
+    argv = ["--prefill", "a:1", "--decode", "c:3", "--port", "0", "--workers", "2"]
+    config = parse_config(argv, {})
+    supervisor = _Supervisor(config, RunDir(str(tmp_path)), 43210)
+    assert supervisor._config.port == 43210
+    assert supervisor._config.hop_id == config.hop_id  # pickled to every worker as it is
