@@ -88,8 +88,9 @@ PROMPT_LOGPROBS = "prompt_logprobs"
 def one_leg_reason(body: Mapping[str, Any]) -> str | None:
     """Why ``body`` must be served by a decode alone (see the module docstring), or None.
 
-    Reads the OpenAI body's fields, or the token-in ``/inference/v1/generate`` body's
-    ``sampling_params`` (vLLM reads nothing else of it), each as vLLM coerces it.
+    Reads the OpenAI body's fields or, for a token-in ``/inference/v1/generate`` body, its
+    ``sampling_params`` alone (a top-level ``n`` there is no field of vLLM's), each as vLLM
+    coerces it.
     """
     fields: Mapping[str, Any] = body[SAMPLING_PARAMS] if is_token_in(body) else body
     if read_int(fields.get("n"), 1) > 1 or read_int(fields.get("best_of"), 1) > 1:
