@@ -229,8 +229,8 @@ def _parse_seconds(raw: bytes) -> float:
 
 @pytest.mark.parametrize(
     "prompt",
-    [[1] * HUGE_IDS, "hello " * 5_000_000],
-    ids=["15M-token-ids", "30MB-text"],
+    [[1] * HUGE_IDS, "hello " * 2_000_000],
+    ids=["15M-token-ids", "12MB-text"],
 )
 async def test_a_huge_prompt_does_not_stall_the_loop(tmp_path, prompt):
     """``/health`` is probed one probe after the other while the request is processed: its
