@@ -34,7 +34,7 @@ from pdproxy.passthrough import Passthrough, PassthroughRequest
 from pdproxy.registry import EndpointRegistry
 from pdproxy.request_context import current
 from pdproxy.routes import PassthroughRoute
-from pdproxy.shaping import MODEL, STREAM_OPTIONS, is_streaming, leg_headers
+from pdproxy.shaping import MODEL, includes_usage, is_streaming, leg_headers
 from pdproxy.tokenize_once import (
     OUTPUT_MODE,
     RENDER_PATHS,
@@ -221,8 +221,7 @@ class RenderOnce:
             asking = self._fingerprints.of(decode, model, request.authorization)
             with contextlib.suppress(TimeoutError):  # still asking: null this time
                 fingerprint = await asyncio.wait_for(asking, _LEARN_WAIT)
-        options = request.body.get(STREAM_OPTIONS)
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        include_usage = includes_usage(request.body)
         ctx = AnswerContext(request.kind, model, fingerprint, not trace.decode_only, include_usage)
         if response.stream is not None:
             response.stream.translate(StreamTranslator(ctx).feed)

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from pdproxy.coerce import read_bool
 from pdproxy.types import ApiKind
 
 MODEL = "model"
@@ -109,7 +110,14 @@ def decode_body(
 
 
 def is_streaming(body: Mapping[str, Any]) -> bool:
-    return body.get(STREAM) is True
+    """The client asked for a stream, as vLLM reads ``stream`` (``"true"``, ``1``... too)."""
+    return read_bool(body.get(STREAM))
+
+
+def includes_usage(body: Mapping[str, Any]) -> bool:
+    """``stream_options.include_usage``, as vLLM reads it."""
+    options = body.get(STREAM_OPTIONS)
+    return isinstance(options, Mapping) and read_bool(options.get("include_usage"))
 
 
 def client_request_id(header_value: str | None) -> str:

@@ -13,7 +13,8 @@ A request whose answer needs what only vLLM's OpenAI serving layer does after ge
 goes the text path instead (``fallback_reason``), by design: tool calls and reasoning
 (vLLM's parsers), logprobs (the OpenAI shapes' own token strings and offsets), echo and
 prompt logprobs (the prompt's text and logprobs), several choices or prompts, and the
-options that add fields generate does not report.
+options that add fields generate does not report. The fields are read as vLLM reads them
+(``pdproxy.coerce``): ``n: "2"`` is two choices and ``echo: "false"`` no echo.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pdproxy.coerce import read_bool, read_int
 from pdproxy.shaping import (
     MAX_TOKENS,
     SAMPLING_PARAMS,
@@ -28,6 +30,7 @@ from pdproxy.shaping import (
     STREAM_OPTIONS,
     TOKEN_IDS,
     JSONBody,
+    is_streaming,
 )
 from pdproxy.types import ApiKind
 
@@ -53,8 +56,6 @@ _CARRIED = (
 
 # Options whose answer the generate path cannot give byte for byte: the reason label.
 _TOOLS = ("tools", "tool_choice", "functions", "function_call")
-_ECHO = ("echo",)
-_PROMPT_LOGPROBS = ("prompt_logprobs",)
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex")
 _EXTRA_FIELDS = ("return_token_ids", "return_prompt_text", "return_tokens_as_token_ids")
 _PROMPT_FORMS = ("suffix", "prompt_embeds")
@@ -64,21 +65,15 @@ def _truthy(body: Mapping[str, Any], keys: tuple[str, ...]) -> bool:
     return any(body.get(key) not in (None, False, [], {}, "") for key in keys)
 
 
-def _count(body: Mapping[str, Any], key: str) -> int:
-    value = body.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
-
-
 def fallback_reason(kind: ApiKind, body: Mapping[str, Any]) -> str | None:
     """Why ``body`` must take the text path (a metric label), or None for render-once."""
     if _truthy(body, _TOOLS):
         return "tools"  # vLLM's tool parser shapes the message and the finish reason
-    if _count(body, "n") > 1 or _count(body, "best_of") > 1 or body.get("use_beam_search"):
+    if _parallel(body):
         return "parallel_sampling"
-    logprobs = body.get("logprobs")
-    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs") is not None:
+    if _logprobs(kind, body):
         return "logprobs"  # the OpenAI shapes' own token strings, bytes and text offsets
-    if _truthy(body, _ECHO) or _truthy(body, _PROMPT_LOGPROBS):
+    if read_bool(body.get("echo")) or read_int(body.get("prompt_logprobs"), None) is not None:
         return "echo"  # the prompt's text (and logprobs) go into the answer
     if _truthy(body, _STRUCTURED):
         return "structured_output"
@@ -87,23 +82,38 @@ def fallback_reason(kind: ApiKind, body: Mapping[str, Any]) -> str | None:
     if kind is ApiKind.CHAT and not _assistant_turn(body):
         return "chat_role"  # the answer's role is the last message's
     options = body.get(STREAM_OPTIONS)
-    if isinstance(options, Mapping) and options.get("continuous_usage_stats"):
+    if isinstance(options, Mapping) and read_bool(options.get("continuous_usage_stats")):
         return "continuous_usage"
     if kind is ApiKind.COMPLETIONS and not _one_prompt(body.get("prompt")):
         return "prompts"
     return None
 
 
+def _parallel(body: Mapping[str, Any]) -> bool:
+    n, best_of = read_int(body.get("n"), 1), read_int(body.get("best_of"), 1)
+    return n > 1 or best_of > 1 or read_bool(body.get("use_beam_search"))
+
+
+def _logprobs(kind: ApiKind, body: Mapping[str, Any]) -> bool:
+    """A completion's ``logprobs`` is a count (0, or false read as 0, still asks for
+    them); a chat's is a flag, and any ``top_logprobs`` goes the text path too."""
+    if kind is ApiKind.CHAT:
+        return read_bool(body.get("logprobs")) or body.get("top_logprobs") is not None
+    return read_int(body.get("logprobs"), None) is not None
+
+
 def _assistant_turn(body: Mapping[str, Any]) -> bool:
-    return body.get("add_generation_prompt", True) is not False and not body.get(
-        "continue_final_message"
+    return read_bool(body.get("add_generation_prompt"), True) and not read_bool(
+        body.get("continue_final_message")
     )
 
 
 def _one_prompt(prompt: Any) -> bool:
+    """One prompt: a string, token ids (told by the first: vLLM refuses a mixed list, and a
+    huge one is not walked), or a list holding one of those."""
     if isinstance(prompt, str):
         return True
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
         return True
     return isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list))
 
@@ -140,7 +150,8 @@ def generate_body(client: Mapping[str, Any], rendered: Mapping[str, Any]) -> JSO
     The rendered ``sampling_params`` are the text path's own (vLLM's ``to_sampling_params``
     with the served limits applied), except that ``max_tokens`` is left out where it is
     16, its default: it is put back, since generate would otherwise fill in the room left
-    in the context. ``stream`` and ``stream_options`` are the client's.
+    in the context. ``stream`` (as vLLM reads it: ``"true"`` streams) and
+    ``stream_options`` are the client's.
     """
     params = dict(rendered[SAMPLING_PARAMS])
     params.setdefault(MAX_TOKENS, SAMPLING_DEFAULT_MAX_TOKENS)
@@ -148,7 +159,7 @@ def generate_body(client: Mapping[str, Any], rendered: Mapping[str, Any]) -> JSO
     body: JSONBody = {k: rendered[k] for k in _CARRIED if rendered.get(k) is not None}
     body[SAMPLING_PARAMS] = params
     body[OUTPUT_MODE] = TEXT
-    stream = client.get(STREAM) is True
+    stream = is_streaming(client)
     body[STREAM] = stream
     if stream and isinstance(client.get(STREAM_OPTIONS), Mapping):
         body[STREAM_OPTIONS] = dict(client[STREAM_OPTIONS])

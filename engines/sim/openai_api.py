@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
+import pydantic
 
 from engines.sim import model
 from engines.sim.errors import ApiError, RequestValidationError
@@ -24,6 +25,10 @@ KIND_BY_PATH: dict[str, Kind] = {
     CHAT_PATH: "chat",
     GENERATE_PATH: "generate",
 }
+# vLLM's request models are pydantic models in lax mode: "true", "yes", 1 are a bool field's
+# true, "2" and 2.0 an int field's 2. The sim reads the fields it acts on the same way.
+_BOOL = pydantic.TypeAdapter(bool)
+_INT = pydantic.TypeAdapter(int)
 _ID_PREFIX: dict[Kind, str] = {
     "completion": "cmpl",
     "chat": "chatcmpl",
@@ -53,13 +58,16 @@ class GenRequest:
     def n(self) -> int:
         """Choices to return (vLLM forks one request per choice; the sim's are identical)."""
         n = self.options.get("n")
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        if type(n) is not int:
+            n = _lax(_INT, n, 1)
+        return n if n > 1 else 1
 
     @property
     def echoed(self) -> str:
         """The prompt a completion with ``echo`` puts before each choice's text."""
         prompt = self.body.get("prompt")
-        if self.kind == "completion" and self.body.get("echo") is True and isinstance(prompt, str):
+        echo = _lax(_BOOL, self.body.get("echo"), False)
+        if self.kind == "completion" and echo and isinstance(prompt, str):
             return prompt
         return ""
 
@@ -86,7 +94,7 @@ def parse(
     RequestValidationError marks what vLLM's pydantic schema rejects before its handler runs
     (wrong types, missing fields); any other ApiError is the handler's own answer.
     """
-    if body.get("stream") is True and body.get("use_beam_search") is True:
+    if _lax(_BOOL, body.get("stream"), False) and _lax(_BOOL, body.get("use_beam_search"), False):
         # vLLM's handler checks this before the model name, tokenization and max_tokens
         raise ApiError(400, "Streaming is not currently supported with beam search")
     name = body.get("model")
@@ -114,7 +122,7 @@ def parse(
         prompt_tokens=tokens,
         max_tokens=max_tokens(kind, options, len(tokens), max_model_len),
         stream=stream,
-        include_usage=stream and bool(opts.get("include_usage")),
+        include_usage=stream and bool(_lax(_BOOL, opts.get("include_usage"), False)),
         stop=_stop(options),
         response_id=resp_id,
         internal_id=internal,
@@ -222,9 +230,20 @@ def _bool(body: dict[str, Any], key: str) -> bool:
     value = body.get(key, False)
     if value is None:
         return False
-    if not isinstance(value, bool):
-        raise RequestValidationError(f"{key}: Input should be a valid boolean")
-    return value
+    try:
+        return bool(_BOOL.validate_python(value))
+    except pydantic.ValidationError:
+        raise RequestValidationError(f"{key}: Input should be a valid boolean") from None
+
+
+def _lax(adapter: pydantic.TypeAdapter[Any], value: Any, default: Any) -> Any:
+    """``value`` as vLLM's model reads it; ``default`` when null or refused."""
+    if value is None:
+        return default
+    try:
+        return adapter.validate_python(value)
+    except pydantic.ValidationError:
+        return default
 
 
 def _stop(body: dict[str, Any]) -> list[str]:

@@ -22,6 +22,7 @@ from pdproxy.api.access import RequestFinisher
 from pdproxy.api.direct import direct_writer
 from pdproxy.api.errors import JSON, error_body, internal_error
 from pdproxy.api.state import AppState
+from pdproxy.body_fields import check_body
 from pdproxy.errors import (
     BadRequest,
     LoopDetected,
@@ -362,6 +363,9 @@ def _parse_body(raw: bytes, kind: ApiKind) -> Mapping[str, Any]:
             f"'{SAMPLING_PARAMS}' with '{TOKEN_IDS}' is for {ApiKind.GENERATE.path}",
             param=SAMPLING_PARAMS,
         )
+    # The fields pdproxy decides on, as vLLM's models read them: a value vLLM would refuse
+    # is refused here, before any leg (the body goes to the engines as the client sent it).
+    check_body(kind, body)
     return body
 
 

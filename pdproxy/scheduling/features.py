@@ -6,13 +6,17 @@ list of prompts joined, token ids counted one token each, as a token-in request'
 ``token_ids`` are); a chat's ``messages`` as
 role and text content in order, so two requests sharing a system prompt and history
 share a prefix. Tools, images and sampling options are not part of it: they change what
-the engine computes after the prefix, rarely the prefix itself.
+the engine computes after the prefix, rarely the prefix itself. Only what the block hashes
+read is built (``_MAX_BLOCKS`` blocks): a prompt of 15 M token ids costs a count and the
+text of its first ids, never the text of all of them.
 
 The size estimate is characters divided by ``chars_per_token`` (4 by default, about
 right for English with a BPE tokenizer), or the exact count for token ids.
 
 Two kinds of request are served by a decode alone, whatever the prompt size, because vLLM
-0.32 cannot split them across a prefill and a decode correctly (``one_leg_reason``):
+0.32 cannot split them across a prefill and a decode correctly (``one_leg_reason``). Their
+fields are read as vLLM reads them (``pdproxy.coerce``: ``n: "2"`` and ``n: 2.0`` are 2,
+``"true"`` is true), and a token-in body's from its ``sampling_params`` alone:
 
 * ``parallel_sampling`` (``n``, ``best_of`` > 1, ``use_beam_search``): vLLM forks one
   request per choice (``{i}_{request_id}``, ``ParentRequest.get_child_info``), each with a
@@ -21,8 +25,9 @@ Two kinds of request are served by a decode alone, whatever the prompt size, bec
   every child reads the *same* remote request, and the prefill frees it on the first reader's
   notification (one consumer expected), so the later children read blocks that may already be
   freed ("Potentially invalid KV blocks for unrecognized request 1_cmpl-…" on the prefill).
-* ``prompt_logprobs`` (or ``echo`` with ``logprobs``/``top_logprobs``, which vLLM turns into
-  prompt logprobs): such a request skips reading any prefix cache, the connector's included
+* ``prompt_logprobs`` (or a completion's ``echo`` with ``logprobs``, or a chat's ``echo``,
+  which vLLM turns into prompt logprobs: a chat's ``top_logprobs`` is never null, 0 by
+  default): such a request skips reading any prefix cache, the connector's included
   (``SamplingParams.skip_reading_prefix_cache``), so the decode recomputes the whole prompt
   anyway and the prefill's work would be thrown away.
 """
@@ -31,13 +36,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from pdproxy.coerce import read_bool, read_int
 from pdproxy.scheduling.context import RequestFeatures
+from pdproxy.shaping import MESSAGES, SAMPLING_PARAMS, is_token_in
 
 _ROLE_SEP = "\x1f"
 _MESSAGE_SEP = "\x1e"
 _MAX_BLOCKS = 1024  # hash at most this many blocks of a very long prompt
+_ID_CHUNK = 1024  # token ids stringified at a time, until the hashed text is long enough
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +63,15 @@ def extract(
     want_blocks: bool,
 ) -> RequestFeatures:
     model = body.get("model")
-    text, token_ids = render_prompt(body)
-    tokens = token_ids if token_ids is not None else len(text) / config.chars_per_token
+    prompt = render_prompt(body, config.block_chars * _MAX_BLOCKS if want_blocks else 0)
+    tokens = (
+        prompt.token_ids if prompt.token_ids is not None else prompt.chars / config.chars_per_token
+    )
     session = session_header
     if session is None and config.session_from_user:
         user = body.get("user")
         session = user if isinstance(user, str) and user else None
-    blocks = block_hashes(text, config.block_chars) if want_blocks else ()
+    blocks = block_hashes(prompt.text, config.block_chars) if want_blocks else ()
     return RequestFeatures(
         model=model if isinstance(model, str) else None,
         tokens=float(tokens),
@@ -78,66 +88,141 @@ PROMPT_LOGPROBS = "prompt_logprobs"
 def one_leg_reason(body: Mapping[str, Any]) -> str | None:
     """Why ``body`` must be served by a decode alone (see the module docstring), or None.
 
-    Reads the OpenAI body's fields and, for the token-in ``/inference/v1/generate`` body,
-    its ``sampling_params``.
+    Reads the OpenAI body's fields or, for a token-in ``/inference/v1/generate`` body, its
+    ``sampling_params`` alone (a top-level ``n`` there is no field of vLLM's), each as vLLM
+    coerces it.
     """
-    nested = body.get("sampling_params")
-    fields = {**nested, **body} if isinstance(nested, Mapping) else body
-    if _more_than_one(fields.get("n")) or _more_than_one(fields.get("best_of")):
+    fields: Mapping[str, Any] = body[SAMPLING_PARAMS] if is_token_in(body) else body
+    if read_int(fields.get("n"), 1) > 1 or read_int(fields.get("best_of"), 1) > 1:
         return PARALLEL_SAMPLING
-    if fields.get("use_beam_search") is True:
+    if read_bool(fields.get("use_beam_search")):
         return PARALLEL_SAMPLING
-    if fields.get("prompt_logprobs") is not None:
+    if read_int(fields.get("prompt_logprobs"), None) is not None:
         return PROMPT_LOGPROBS
-    logprobs = fields.get("top_logprobs") if "messages" in body else fields.get("logprobs")
-    if fields.get("echo") is True and logprobs not in (None, False):
+    # A chat's echo always asks for prompt logprobs (its top_logprobs, 0 when unset); a
+    # completion's only with logprobs (0, or false read as 0, counts).
+    echo = fields is body and read_bool(body.get("echo"))
+    if echo and (MESSAGES in body or read_int(body.get("logprobs"), None) is not None):
         return PROMPT_LOGPROBS
     return None
 
 
-def _more_than_one(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 1
+class Rendered(NamedTuple):
+    """A prompt's stable text (at most the ``limit`` characters asked for), the length of
+    the whole text, and its exact token count when it was given as token ids."""
+
+    text: str
+    chars: int
+    token_ids: int | None
 
 
-def render_prompt(body: Mapping[str, Any]) -> tuple[str, int | None]:
-    """The prompt as stable text, and its exact token count when it was given as ids."""
-    messages = body.get("messages")
+_EMPTY = Rendered("", 0, None)
+
+
+def render_prompt(body: Mapping[str, Any], limit: int) -> Rendered:
+    """The prompt as stable text, built only up to ``limit`` characters (0: only measured).
+
+    The text is always a prefix of the whole rendering, so block hashes of the first
+    ``limit`` characters are those of the whole prompt's.
+    """
+    messages = body.get(MESSAGES)
     if isinstance(messages, list):
-        return _render_messages(messages), None
+        return _render_messages(messages, _Text(limit))
     prompt = body.get("prompt", body.get("token_ids"))  # token_ids: /inference/v1/generate
     if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return _MESSAGE_SEP.join(prompt), None
-        if all(isinstance(t, int) for t in prompt):
-            return ",".join(map(str, prompt)), len(prompt)
-        if all(isinstance(p, list) for p in prompt):  # a batch of token-id prompts
-            return _MESSAGE_SEP.join(",".join(map(str, p)) for p in prompt), sum(map(len, prompt))
-    return "", None
+        return Rendered(prompt[:limit], len(prompt), None)
+    if not isinstance(prompt, list) or not prompt:
+        return _EMPTY
+    # A prompt's form is told by its first item: vLLM refuses a list that mixes them, so
+    # a mixed one needs no exact features, and nothing here walks a huge prompt's items.
+    first = prompt[0]
+    if isinstance(first, str):
+        return _render_strings(prompt, _Text(limit))
+    if isinstance(first, int):
+        return Rendered(_ids_text(prompt, limit) if limit > 0 else "", 0, len(prompt))
+    if isinstance(first, list):  # a batch of token-id prompts
+        return _render_batch(prompt, _Text(limit))
+    return _EMPTY
 
 
-def _render_messages(messages: list[Any]) -> str:
-    parts: list[str] = []
+class _Text:
+    """At most ``room`` characters of a rendering built piece by piece, and the length the
+    whole rendering would have."""
+
+    __slots__ = ("chars", "parts", "room")
+
+    def __init__(self, room: int) -> None:
+        self.parts: list[str] = []
+        self.room = room
+        self.chars = 0
+
+    def add(self, piece: str) -> None:
+        self.chars += len(piece)
+        if self.room > 0:
+            piece = piece[: self.room]
+            self.parts.append(piece)
+            self.room -= len(piece)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _render_strings(prompts: list[Any], out: _Text) -> Rendered:
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            break
+        if i:
+            out.add(_MESSAGE_SEP)
+        out.add(prompt)
+    return Rendered(out.text(), out.chars, None)
+
+
+def _render_batch(prompts: list[Any], out: _Text) -> Rendered:
+    count = sum(len(p) for p in prompts if isinstance(p, list))
+    for i, prompt in enumerate(prompts):
+        if out.room <= 0 or not isinstance(prompt, list):
+            break
+        if i:
+            out.add(_MESSAGE_SEP)
+        out.add(_ids_text(prompt, out.room))
+    return Rendered(out.text(), 0, count)
+
+
+def _ids_text(ids: list[Any], room: int) -> str:
+    """``",".join(map(str, ids))[:room]``, stringifying only the ids that text needs (and
+    none past the first item that is not an int)."""
+    chunks: list[str] = []
+    size = -1  # the length of ",".join(chunks)
+    for start in range(0, len(ids), _ID_CHUNK):
+        if size >= room:
+            break
+        chunk = ids[start : start + _ID_CHUNK]
+        end = next((i for i, t in enumerate(chunk) if not isinstance(t, int)), len(chunk))
+        if end:
+            text = ",".join(map(str, chunk[:end]))
+            chunks.append(text)
+            size += len(text) + 1
+        if end < len(chunk):
+            break
+    return ",".join(chunks)[:room]
+
+
+def _render_messages(messages: list[Any], out: _Text) -> Rendered:
     for message in messages:
         if not isinstance(message, dict):
             continue
         role = message.get("role")
-        parts.append(role if isinstance(role, str) else "")
-        parts.append(_ROLE_SEP)
-        parts.append(_content_text(message.get("content")))
-        parts.append(_MESSAGE_SEP)
-    return "".join(parts)
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(
-            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
-    return ""
+        out.add(role if isinstance(role, str) else "")
+        out.add(_ROLE_SEP)
+        content = message.get("content")
+        if isinstance(content, str):
+            out.add(content)
+        elif isinstance(content, list):  # content parts: keep the text ones
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    out.add(part["text"])
+        out.add(_MESSAGE_SEP)
+    return Rendered(out.text(), out.chars, None)
 
 
 def block_hashes(text: str, block_chars: int) -> tuple[int, ...]:

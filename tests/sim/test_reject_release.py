@@ -109,7 +109,7 @@ async def test_cold_pair_holds_until_the_lease(session):
 # bodies vLLM's pydantic schema refuses before the handler runs (FastAPI's 400)
 SCHEMA_BREAKERS: dict[str, Callable[[dict[str, Any]], bytes]] = {
     "max_tokens-not-int": lambda body: orjson.dumps({**body, "max_tokens": "abc"}),
-    "stream-not-bool": lambda body: orjson.dumps({**body, "stream": "yes"}),
+    "stream-not-bool": lambda body: orjson.dumps({**body, "stream": "maybe"}),  # "yes" is true
     "not-an-object": lambda body: orjson.dumps([body]),
     "not-json": lambda body: orjson.dumps(body)[:-1],
 }

@@ -136,3 +136,33 @@ def test_token_in_decode_is_the_original_with_the_connectors_params():
 )
 def test_body_kind(body, kind):
     assert shaping.body_kind(body) is kind
+
+
+@pytest.mark.parametrize(
+    ("stream", "streams"),
+    [
+        (True, True),
+        ("true", True),
+        ("True", True),
+        ("yes", True),
+        ("1", True),
+        (1, True),
+        (False, False),
+        (None, False),
+        ("false", False),
+        ("maybe", False),
+        (2, False),
+    ],
+)
+def test_a_stream_is_what_vllm_reads_as_one(stream, streams):
+    """Issue 19 row 7: ``stream: "true"`` streams on vLLM, so it is a stream here too (a
+    value vLLM refuses never gets this far on the generation endpoints)."""
+    assert shaping.is_streaming({"stream": stream}) is streams
+    assert shaping.is_streaming({}) is False
+
+
+def test_include_usage_is_read_as_vllm_reads_it():
+    assert shaping.includes_usage({"stream_options": {"include_usage": "true"}}) is True
+    assert shaping.includes_usage({"stream_options": {"include_usage": "0"}}) is False
+    assert not shaping.includes_usage({"stream_options": "x"})
+    assert not shaping.includes_usage({})

@@ -34,6 +34,25 @@ FP = "vllm-0.32.0-5e4d3f5f"
         (CHAT, {"return_token_ids": True}, "unsupported_field"),
         (COMPLETIONS, {"suffix": "x"}, "unsupported_field"),
         (CHAT, {"stream_options": {"continuous_usage_stats": True}}, "continuous_usage"),
+        # issue 19 row 7: read as vLLM reads them, not by their JSON type
+        (COMPLETIONS, {"n": "2"}, "parallel_sampling"),
+        (CHAT, {"n": 2.0}, "parallel_sampling"),
+        (COMPLETIONS, {"n": "1"}, None),
+        (COMPLETIONS, {"use_beam_search": "true"}, "parallel_sampling"),
+        (COMPLETIONS, {"use_beam_search": "false"}, None),
+        (COMPLETIONS, {"logprobs": False}, "logprobs"),  # false is 0: logprobs all the same
+        (CHAT, {"logprobs": "true"}, "logprobs"),
+        (CHAT, {"logprobs": "false"}, None),
+        (CHAT, {"logprobs": 0}, None),
+        (COMPLETIONS, {"echo": "true"}, "echo"),
+        (COMPLETIONS, {"echo": "off"}, None),
+        (COMPLETIONS, {"prompt_logprobs": 0}, "echo"),
+        (CHAT, {"add_generation_prompt": "false"}, "chat_role"),
+        (CHAT, {"continue_final_message": "true"}, "chat_role"),
+        (CHAT, {"continue_final_message": "false"}, None),
+        (CHAT, {"stream_options": {"continuous_usage_stats": "yes"}}, "continuous_usage"),
+        (CHAT, {"stream_options": {"continuous_usage_stats": "no"}}, None),
+        (COMPLETIONS, {"prompt": [7] * 1_000_000}, None),  # told by its first id, not walked
     ],
 )
 def test_fallback_reason(kind, extra, reason):
@@ -67,6 +86,16 @@ def test_generate_body_carries_the_render_and_puts_back_a_default_limit():
     }
     rendered["sampling_params"] = {"max_tokens": 5}
     assert generate_body({}, rendered)["sampling_params"] == {"max_tokens": 5}
+
+
+@pytest.mark.parametrize(
+    ("stream", "streams"), [("true", True), ("on", True), (1, True), ("false", False)]
+)
+def test_generate_body_streams_as_vllm_reads_the_clients_stream(stream, streams):
+    rendered = {"token_ids": [1], "sampling_params": {}}
+    body = generate_body({"stream": stream, "stream_options": {"include_usage": "true"}}, rendered)
+    assert body["stream"] is streams
+    assert ("stream_options" in body) is streams
 
 
 def test_rendered_request_takes_one_generate_request():
