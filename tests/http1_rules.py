@@ -1,0 +1,408 @@
+"""The rules of tests/unit/test_http1_differential.py: each known, intended difference
+between pdproxy's legs' client and h11 (the reference), named, with its reason, and what it
+lets pdproxy's verdict be (``accepted``). A rule reads the answer's bytes leniently
+(``heads``, ``chunk_lines``): only to see whether it applies, never to judge the answer."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from pdproxy.http1.connection import MAX_FIELDS, MAX_HEAD, MAX_LINE
+from tests.http1_reference import NEXT, Exchange, Verdict
+
+ERROR = Verdict("error")
+BODY_CAP = 350_000  # the pool's max_body in the test: generated bodies reach 400,000 bytes
+
+# --- what the bytes say, for the rules (a lenient reading: never the verdict itself) ---
+
+
+@dataclass(frozen=True)
+class Head:
+    """One head as sent: its lines (the status line first, folded lines apart), whether a
+    line ended in a lone LF, and its length up to the empty line."""
+
+    lines: tuple[bytes, ...]
+    bare_lf: bool
+    size: int
+    complete: bool  # its empty line came
+
+    @property
+    def version(self) -> bytes:
+        return self.lines[0].split(b" ", 1)[0]
+
+    @property
+    def code(self) -> int | None:
+        parts = self.lines[0].split(b" ", 2)
+        ok = len(parts) > 1 and re.fullmatch(rb"[0-9]{3}", parts[1])
+        return int(parts[1]) if ok else None
+
+    def values(self, name: bytes) -> list[bytes]:
+        """The values of field ``name`` (any case), each split at commas."""
+        found = []
+        for line in self.lines[1:]:
+            field, colon, value = line.partition(b":")
+            if colon and field.strip().lower() == name:
+                found += [v.strip() for v in value.split(b",")]
+        return found
+
+
+_SCAN = 4 * MAX_HEAD  # a head read this far is over the caps: the rest is not looked at
+
+
+@functools.lru_cache(maxsize=4)  # every rule asks, and a seed's head may be megabytes
+def heads(data: bytes) -> tuple[tuple[Head, ...], int]:
+    """The interim heads and the final one (or the unfinished one), and where its body
+    starts."""
+    found: list[Head] = []
+    pos = 0
+    while True:
+        lines, start = [], pos
+        bare_lf = complete = False
+        while (end := data.find(b"\n", pos)) >= 0 and pos - start < _SCAN:
+            line, pos = data[pos:end], end + 1
+            bare_lf |= not line.endswith(b"\r")
+            if not line.rstrip(b"\r"):
+                complete = True
+                break
+            lines.append(line.rstrip(b"\r"))
+        else:
+            pos = len(data)
+        if not lines:
+            return tuple(found), pos
+        head = Head(tuple(lines), bare_lf, pos - start, complete)
+        found.append(head)
+        if head.code is None or not 100 <= head.code < 200 or head.code == 101:
+            return tuple(found), pos
+
+
+_TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
+_CHUNK_EXT = re.compile(
+    rb'(?:[ \t]*;[ \t]*%s(?:[ \t]*=[ \t]*(?:%s|"(?:[^"\\]|\\.)*"))?)*' % (_TOKEN, _TOKEN)
+)
+
+
+def chunk_lines(data: bytes, pos: int) -> list[tuple[int, bytes]]:
+    """The (size, extensions) a chunked body starting at ``pos`` announces, read as far as
+    it is sane."""
+    found = []
+    while (end := data.find(b"\n", pos)) >= 0:
+        match = re.match(rb"([0-9a-fA-F]+)(.*?)\r?$", data[pos:end], re.S)
+        if not match:
+            break
+        size = int(match.group(1), 16)
+        found.append((size, match.group(2)))
+        if size == 0 or size > len(data):
+            break
+        pos = end + 1 + size + 2
+    return found
+
+
+def final_head(exchange: Exchange) -> Head | None:
+    found, _ = heads(exchange.data)
+    return found[-1] if found else None
+
+
+# --- the rules: where pdproxy means to differ from h11, and why ---
+
+Effect = Literal["decode", "refuse", "may-refuse", "may-reuse", "may-not-reuse"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``decode``: pdproxy's body is h11's decoded; ``refuse``: pdproxy must answer an
+    error where h11 reads a message or waits; ``may-refuse``: either is right (the RFC
+    leaves it to the recipient); ``may-reuse``/``may-not-reuse``: reusing the connection
+    or not is either right. ``applies`` sees h11's verdict as the rules before changed it."""
+
+    name: str
+    why: str
+    effect: Effect
+    applies: Callable[[Exchange, Verdict], bool]
+
+
+def _version(exchange: Exchange, pattern: bytes) -> bool:
+    head = final_head(exchange)
+    return head is not None and re.fullmatch(pattern, head.version) is not None
+
+
+def _duplicate_length(exchange: Exchange, _: Verdict) -> bool:
+    head = final_head(exchange)
+    lengths = head.values(b"content-length") if head else []
+    return len(lengths) > 1 and len(set(lengths)) == 1
+
+
+def _length_and_chunked(exchange: Exchange, _: Verdict) -> bool:
+    head = final_head(exchange)
+    return bool(head and head.values(b"content-length") and head.values(b"transfer-encoding"))
+
+
+def _folded(exchange: Exchange, _: Verdict) -> bool:
+    return any(line[:1] in (b" ", b"\t") for h in heads(exchange.data)[0] for line in h.lines)
+
+
+def _bare_lf(exchange: Exchange, _: Verdict) -> bool:
+    return any(h.bare_lf for h in heads(exchange.data)[0])
+
+
+def _framing_on_interim(exchange: Exchange, _: Verdict) -> bool:
+    found = heads(exchange.data)[0]
+    framing = (b"content-length", b"transfer-encoding")
+    return any(h.values(name) for h in found[:-1] for name in framing)
+
+
+def _framing_in_trailers(exchange: Exchange, _: Verdict) -> bool:
+    found, start = heads(exchange.data)
+    if not found or not found[-1].values(b"transfer-encoding"):
+        return False
+    trailers = exchange.data[start:].partition(b"\r\n0\r\n")[2].lower()
+    return trailers.startswith(b"content-length:") or b"\ncontent-length:" in trailers
+
+
+def _keep_alive_10(exchange: Exchange, reference: Verdict) -> bool:
+    head = final_head(exchange)
+    return bool(
+        reference.kind == "message"
+        and head
+        and head.version == b"HTTP/1.0"
+        and b"keep-alive" in [v.lower() for v in head.values(b"connection")]
+    )
+
+
+_WBITS = {b"gzip": 31, b"x-gzip": 31, b"deflate": 15}  # zlib's, for each coding's wrapper
+
+
+def _coding(exchange: Exchange) -> bytes:
+    head = final_head(exchange)
+    return b", ".join(head.values(b"content-encoding")).lower() if head else b""
+
+
+def _unknown_coding(exchange: Exchange, _: Verdict) -> bool:
+    head = final_head(exchange)
+    coding = _coding(exchange)
+    return bool(head and head.complete and coding not in (b"", b"identity", *_WBITS))
+
+
+def _decoded(exchange: Exchange, verdict: Verdict) -> Verdict:
+    """The message with its body decoded as its Content-Encoding says, or an error."""
+    wbits = _WBITS.get(_coding(exchange))
+    if wbits is None:
+        return ERROR
+    z = zlib.decompressobj(wbits)
+    try:
+        body = z.decompress(verdict.body)
+    except zlib.error:
+        return ERROR
+    if not z.eof or z.unused_data:
+        return ERROR
+    return dataclasses.replace(verdict, body=body)
+
+
+def _coded(exchange: Exchange, reference: Verdict) -> bool:
+    return reference.kind == "message" and _coding(exchange) not in (b"", b"identity")
+
+
+def _over_caps(exchange: Exchange, _: Verdict) -> bool:
+    return any(
+        h.size > MAX_HEAD or len(h.lines) - 1 > MAX_FIELDS or max(map(len, h.lines)) > MAX_LINE
+        for h in heads(exchange.data)[0]
+    )
+
+
+def _body_over_cap(exchange: Exchange, reference: Verdict) -> bool:
+    if reference.kind == "message":
+        return len(reference.body) > BODY_CAP
+    head = final_head(exchange)
+    if head is None or _coding(exchange) or head.values(b"transfer-encoding"):
+        return False
+    lengths = head.values(b"content-length")
+    return len(set(lengths)) == 1 and lengths[0].isdigit() and int(lengths[0]) > BODY_CAP
+
+
+def chunk_over_cap(exchange: Exchange, _: Verdict) -> bool:
+    found, start = heads(exchange.data)
+    if not found or not found[-1].values(b"transfer-encoding"):
+        return False
+    return any(size > BODY_CAP for size, _ in chunk_lines(exchange.data, start))
+
+
+def _bad_chunk_ext(exchange: Exchange, _: Verdict) -> bool:
+    found, start = heads(exchange.data)
+    if not found or not found[-1].values(b"transfer-encoding"):
+        return False
+    return any(not _CHUNK_EXT.fullmatch(ext) for _, ext in chunk_lines(exchange.data, start))
+
+
+def _control_char(exchange: Exchange, _: Verdict) -> bool:
+    lines = (line for h in heads(exchange.data)[0] for line in h.lines)
+    return any(re.search(rb"[\x00-\x08\x0a-\x1f\x7f]", line) for line in lines)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "content-coding",
+        "pdproxy decodes a gzip or deflate body as it reads it (its Content-Encoding kept), "
+        "a body that does not decode is an error (issue 19 item 1: never relay coded bytes "
+        "as JSON); h11 hands the coded bytes on",
+        "decode",
+        _coded,
+    ),
+    Rule(
+        "content-coding-unknown",
+        "any other content coding (br, zstd, codings stacked) is refused at the head: pdproxy "
+        "could not read the body (issue 19 item 1); h11 does not look",
+        "refuse",
+        _unknown_coding,
+    ),
+    Rule(
+        "head-over-caps",
+        f"pdproxy caps a head as aiohttp does ({MAX_LINE} bytes a line, {MAX_FIELDS} fields, "
+        f"{MAX_HEAD} bytes in all; issue 19 row 3); h11 bounds only a head still incomplete",
+        "refuse",
+        _over_caps,
+    ),
+    Rule(
+        "body-over-cap",
+        f"a body read whole is refused past the pool's max_body ({BODY_CAP} here; issue 19 "
+        "row 11), as soon as a Content-Length announces it; h11 has no cap",
+        "refuse",
+        _body_over_cap,
+    ),
+    Rule(
+        "chunk-size-over-cap",
+        "a chunk announced larger than any body pdproxy would buffer is refused at its size "
+        "line (issue 19 row 11: 0xffffffffffffffff was accepted); h11 waits for its bytes",
+        "refuse",
+        chunk_over_cap,
+    ),
+    Rule(
+        "status-outside-100-599",
+        "h11 reads 600-999 as a final answer; RFC 9110 §15 defines 100-599 and uvicorn drops "
+        "the client on anything else (issue 19 row 10): pdproxy answers 502 instead",
+        "refuse",
+        lambda _, ref: ref.kind == "message" and ref.status >= 600,
+    ),
+    Rule(
+        "no-content-to-post",
+        "a 204 or 304 cannot answer vLLM's POSTs; relayed, the client gets an empty answer "
+        "(issue 19 item 1): pdproxy treats it as malformed, h11 as a message without body",
+        "refuse",
+        lambda ex, ref: ex.method == "POST" and ref.kind == "message" and ref.status in (204, 304),
+    ),
+    Rule(
+        "duplicate-content-length",
+        "RFC 9110 §8.6 lets a recipient either reject repeated identical Content-Length "
+        "values or use the one value; h11 uses it, llhttp (pdproxy's parser) rejects",
+        "may-refuse",
+        _duplicate_length,
+    ),
+    Rule(
+        "content-length-with-transfer-encoding",
+        "RFC 9112 §6.3 (3): Transfer-Encoding overrides Content-Length, and the message "
+        "'ought to be handled as an error' (smuggling); h11 reads it chunked, llhttp rejects",
+        "may-refuse",
+        _length_and_chunked,
+    ),
+    Rule(
+        "framing-on-interim",
+        "RFC 9112 §6.3 (1): a 1xx ends at its empty line whatever its fields say, and RFC 9110 "
+        "§8.6 forbids it a Content-Length; h11 ignores the field, pdproxy refuses the answer "
+        "(a broken engine, or an attempt to desynchronise the connection)",
+        "may-refuse",
+        _framing_on_interim,
+    ),
+    Rule(
+        "framing-field-in-trailers",
+        "RFC 9110 §6.5.1: framing fields may not be trailers; h11 ignores a Content-Length "
+        "trailer, llhttp refuses the answer",
+        "may-refuse",
+        _framing_in_trailers,
+    ),
+    Rule(
+        "control-character-in-head",
+        "RFC 9110 §5.5: a field value with a control character is invalid, a recipient may "
+        "keep it or reject the message; h11 keeps any but NUL, CR and LF, llhttp rejects",
+        "may-refuse",
+        _control_char,
+    ),
+    Rule(
+        "malformed-chunk-extension",
+        "RFC 9112 §7.1.1 gives chunk extensions a grammar (';' name ['=' value]); h11 skips "
+        "whatever follows the size unchecked, llhttp rejects what breaks the grammar",
+        "may-refuse",
+        _bad_chunk_ext,
+    ),
+    Rule(
+        "obs-fold",
+        "RFC 9112 §5.2: a gateway that receives obs-fold in a response either answers 502 or "
+        "unfolds it; h11 unfolds, llhttp rejects (pdproxy then answers 502)",
+        "may-refuse",
+        _folded,
+    ),
+    Rule(
+        "bare-lf",
+        "RFC 9112 §2.2: a recipient MAY take a lone LF as a line end; h11 does, llhttp rejects",
+        "may-refuse",
+        _bare_lf,
+    ),
+    Rule(
+        "minor-version-above-1.1",
+        "RFC 9112 §2.3: HTTP/1.2 SHOULD be read as HTTP/1.1; llhttp knows only the versions "
+        "that exist and refuses (the safe side for a proxy's upstream)",
+        "may-refuse",
+        lambda ex, _: _version(ex, rb"HTTP/1\.[2-9]"),
+    ),
+    Rule(
+        "major-version-not-1",
+        "an HTTP/0.9 or HTTP/2+ status line is not an HTTP/1.1 answer: h11 reads 2.0 as above "
+        "1.1 (reusable); refusing it, or reading it without reusing the connection, is safe",
+        "may-refuse",
+        lambda ex, _: _version(ex, rb"HTTP/(0\.9|[2-9]\.[0-9])"),
+    ),
+    Rule(
+        "major-version-not-1-reuse",
+        "(with major-version-not-1) llhttp reads HTTP/2.0 but does not keep the connection",
+        "may-not-reuse",
+        lambda ex, _: _version(ex, rb"HTTP/[2-9]\.[0-9]"),
+    ),
+    Rule(
+        "empty-line-after-answer",
+        "llhttp skips empty lines between answers (as RFC 9112 §2.2 lets a server skip them "
+        "before a request), so the connection stays clean; h11 keeps them as unread bytes "
+        "and does not reuse it: either is safe, the next answer reads whole",
+        "may-reuse",
+        lambda _, ref: ref.kind == "message" and ref.leftover.strip(b"\r\n") == b"" != ref.leftover,
+    ),
+    Rule(
+        "http-1.0-keep-alive",
+        "RFC 9112 §9.3 / appendix C.2.2: a client may honour an HTTP/1.0 answer's keep-alive "
+        "option; h11 never reuses an HTTP/1.0 connection, llhttp does",
+        "may-reuse",
+        _keep_alive_10,
+    ),
+)
+
+
+def accepted(exchange: Exchange, reference: Verdict) -> tuple[list[Verdict], list[str]]:
+    """The verdicts pdproxy may reach, given h11's, and the names of the rules applied."""
+    allowed, applied = [reference], []
+    for rule in RULES:
+        if not rule.applies(exchange, allowed[0]):
+            continue
+        applied.append(rule.name)
+        if rule.effect == "refuse":
+            return [ERROR], applied
+        if rule.effect == "decode":
+            allowed = [_decoded(exchange, v) for v in allowed]
+        elif rule.effect == "may-refuse":
+            allowed.append(ERROR)
+        elif rule.effect == "may-reuse":
+            allowed += [dataclasses.replace(v, reusable=True, next=NEXT) for v in allowed]
+        else:
+            allowed += [dataclasses.replace(v, reusable=False, next=None) for v in allowed]
+    return allowed, applied
