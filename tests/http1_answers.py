@@ -3,7 +3,8 @@ often hostile: status lines (odd versions, reason phrases, codes of 0 to 4 digit
 (case, whitespace, obs-fold, duplicates, odd bytes), every framing (Content-Length and its
 variants, chunked with extensions and trailers, to the connection's end, both, odd
 transfer codings), content codings, interim 1xx answers first, bytes after the message,
-and the byte stream cut into random pieces (``exchanges``).
+and the byte stream cut into random pieces (``exchanges``); and the same answers read
+back leniently (``heads``, ``chunk_lines``), for the test's rules.
 
 Each part is drawn by a plain function from strategies built once here (hypothesis spends
 most of an example's time building and checking strategies made inside a draw): the tests
@@ -12,10 +13,13 @@ stay within a few seconds for hundreds of examples.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import itertools
+import re
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from hypothesis import strategies as st
@@ -263,3 +267,100 @@ def exchanges(draw: Draw) -> Exchange:
     cut, turns = pieces(draw, data)
     close = draw(_BOOL)
     return Exchange(cut, turns, close, pick(draw, _METHOD, _ODD_METHOD, 8))
+
+
+# --- reading an answer back, leniently: for the rules of the test, never for its verdict ---
+
+
+@dataclass(frozen=True)
+class Head:
+    """One head as sent: its lines (the status line first, folded lines apart), whether a
+    line ended in a lone LF, and its length up to the empty line."""
+
+    lines: tuple[bytes, ...]
+    bare_lf: bool
+    size: int
+    complete: bool  # its empty line came
+
+    @property
+    def version(self) -> bytes:
+        return self.lines[0].split(b" ", 1)[0]
+
+    @property
+    def interim(self) -> bool:
+        """A 1xx that is skipped (101 is not: it would end HTTP/1.1 on the connection)."""
+        code = self.code
+        return code is not None and 100 <= code < 200 and code != 101
+
+    @property
+    def code(self) -> int | None:
+        parts = self.lines[0].split(b" ", 2)
+        ok = len(parts) > 1 and re.fullmatch(rb"[0-9]{3}", parts[1])
+        return int(parts[1]) if ok else None
+
+    def values(self, name: bytes) -> list[bytes]:
+        """The values of field ``name`` (any case), each split at commas."""
+        found = []
+        for line in self.lines[1:]:
+            field, colon, value = line.partition(b":")
+            if colon and field.strip().lower() == name:
+                found += [v.strip() for v in value.split(b",")]
+        return found
+
+
+_SCAN = 256 * 1024  # a head read this far is over any cap: the rest is not looked at
+
+
+@functools.lru_cache(maxsize=4)  # every rule asks, and a seed's head may be megabytes
+def heads(data: bytes) -> tuple[tuple[Head, ...], int]:
+    """The interim heads and the final one (or the unfinished one), and where its body
+    starts."""
+    found: list[Head] = []
+    pos = 0
+    while True:
+        lines, start = [], pos
+        bare_lf = complete = False
+        while (end := data.find(b"\n", pos)) >= 0 and pos - start < _SCAN:
+            line, pos = data[pos:end], end + 1
+            bare_lf |= not line.endswith(b"\r")
+            if not line.rstrip(b"\r"):
+                complete = True
+                break
+            lines.append(line.rstrip(b"\r"))
+        else:
+            pos = len(data)
+        if not lines:
+            return tuple(found), pos
+        head = Head(tuple(lines), bare_lf, pos - start, complete)
+        found.append(head)
+        if not head.interim:
+            return tuple(found), pos
+
+
+def chunk_lines(data: bytes, pos: int) -> tuple[list[tuple[int, bytes]], int | None]:
+    """The (size, extensions) a chunked body starting at ``pos`` announces, read as far as
+    it is sane, and where its trailers start (None if no last chunk was seen)."""
+    found = []
+    while (end := data.find(b"\n", pos)) >= 0:
+        match = re.match(rb"([0-9a-fA-F]+)(.*?)\r?$", data[pos:end], re.S)
+        if not match:
+            break
+        size = int(match.group(1), 16)
+        found.append((size, match.group(2)))
+        if size == 0:
+            return found, end + 1
+        if size > len(data):
+            break
+        pos = end + 1 + size + 2
+    return found, None
+
+
+def chunked_start(exchange: Exchange) -> int | None:
+    """Where the final answer's chunked body starts, if it says it is chunked."""
+    found, start = heads(exchange.data)
+    return start if found and found[-1].values(b"transfer-encoding") else None
+
+
+def final_head(exchange: Exchange) -> Head | None:
+    found, _ = heads(exchange.data)
+    return found[-1] if found else None

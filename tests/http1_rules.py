@@ -1,12 +1,12 @@
 """The rules of tests/unit/test_http1_differential.py: each known, intended difference
 between pdproxy's legs' client and h11 (the reference), named, with its reason, and what it
 lets pdproxy's verdict be (``accepted``). A rule reads the answer's bytes leniently
-(``heads``, ``chunk_lines``): only to see whether it applies, never to judge the answer."""
+(tests/http1_answers.py's ``heads``, ``chunk_lines``): only to see whether it applies,
+never to judge the answer."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import zlib
 from collections.abc import Callable
@@ -14,98 +14,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pdproxy.http1.connection import MAX_FIELDS, MAX_HEAD, MAX_LINE
+from tests.http1_answers import chunk_lines, chunked_start, final_head, heads
 from tests.http1_reference import NEXT, Exchange, Verdict
 
 ERROR = Verdict("error")
 BODY_CAP = 350_000  # the pool's max_body in the test: generated bodies reach 400,000 bytes
 
-# --- what the bytes say, for the rules (a lenient reading: never the verdict itself) ---
-
-
-@dataclass(frozen=True)
-class Head:
-    """One head as sent: its lines (the status line first, folded lines apart), whether a
-    line ended in a lone LF, and its length up to the empty line."""
-
-    lines: tuple[bytes, ...]
-    bare_lf: bool
-    size: int
-    complete: bool  # its empty line came
-
-    @property
-    def version(self) -> bytes:
-        return self.lines[0].split(b" ", 1)[0]
-
-    @property
-    def code(self) -> int | None:
-        parts = self.lines[0].split(b" ", 2)
-        ok = len(parts) > 1 and re.fullmatch(rb"[0-9]{3}", parts[1])
-        return int(parts[1]) if ok else None
-
-    def values(self, name: bytes) -> list[bytes]:
-        """The values of field ``name`` (any case), each split at commas."""
-        found = []
-        for line in self.lines[1:]:
-            field, colon, value = line.partition(b":")
-            if colon and field.strip().lower() == name:
-                found += [v.strip() for v in value.split(b",")]
-        return found
-
-
-_SCAN = 4 * MAX_HEAD  # a head read this far is over the caps: the rest is not looked at
-
-
-@functools.lru_cache(maxsize=4)  # every rule asks, and a seed's head may be megabytes
-def heads(data: bytes) -> tuple[tuple[Head, ...], int]:
-    """The interim heads and the final one (or the unfinished one), and where its body
-    starts."""
-    found: list[Head] = []
-    pos = 0
-    while True:
-        lines, start = [], pos
-        bare_lf = complete = False
-        while (end := data.find(b"\n", pos)) >= 0 and pos - start < _SCAN:
-            line, pos = data[pos:end], end + 1
-            bare_lf |= not line.endswith(b"\r")
-            if not line.rstrip(b"\r"):
-                complete = True
-                break
-            lines.append(line.rstrip(b"\r"))
-        else:
-            pos = len(data)
-        if not lines:
-            return tuple(found), pos
-        head = Head(tuple(lines), bare_lf, pos - start, complete)
-        found.append(head)
-        if head.code is None or not 100 <= head.code < 200 or head.code == 101:
-            return tuple(found), pos
-
-
 _TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
 _CHUNK_EXT = re.compile(
     rb'(?:[ \t]*;[ \t]*%s(?:[ \t]*=[ \t]*(?:%s|"(?:[^"\\]|\\.)*"))?)*' % (_TOKEN, _TOKEN)
 )
-
-
-def chunk_lines(data: bytes, pos: int) -> list[tuple[int, bytes]]:
-    """The (size, extensions) a chunked body starting at ``pos`` announces, read as far as
-    it is sane."""
-    found = []
-    while (end := data.find(b"\n", pos)) >= 0:
-        match = re.match(rb"([0-9a-fA-F]+)(.*?)\r?$", data[pos:end], re.S)
-        if not match:
-            break
-        size = int(match.group(1), 16)
-        found.append((size, match.group(2)))
-        if size == 0 or size > len(data):
-            break
-        pos = end + 1 + size + 2
-    return found
-
-
-def final_head(exchange: Exchange) -> Head | None:
-    found, _ = heads(exchange.data)
-    return found[-1] if found else None
 
 
 # --- the rules: where pdproxy means to differ from h11, and why ---
@@ -126,9 +44,12 @@ class Rule:
     applies: Callable[[Exchange, Verdict], bool]
 
 
-def _version(exchange: Exchange, pattern: bytes) -> bool:
-    head = final_head(exchange)
-    return head is not None and re.fullmatch(pattern, head.version) is not None
+def _version(exchange: Exchange, pattern: bytes, interim: bool = False) -> bool:
+    """A head (an interim one only, if ``interim``) has a version matching ``pattern``."""
+    found = heads(exchange.data)[0]
+    if interim:
+        found = tuple(h for h in found if h.interim)
+    return any(re.fullmatch(pattern, h.version) for h in found)
 
 
 def _duplicate_length(exchange: Exchange, _: Verdict) -> bool:
@@ -151,17 +72,17 @@ def _bare_lf(exchange: Exchange, _: Verdict) -> bool:
 
 
 def _framing_on_interim(exchange: Exchange, _: Verdict) -> bool:
-    found = heads(exchange.data)[0]
     framing = (b"content-length", b"transfer-encoding")
-    return any(h.values(name) for h in found[:-1] for name in framing)
+    return any(h.interim and h.values(n) for h in heads(exchange.data)[0] for n in framing)
 
 
 def _framing_in_trailers(exchange: Exchange, _: Verdict) -> bool:
-    found, start = heads(exchange.data)
-    if not found or not found[-1].values(b"transfer-encoding"):
+    start = chunked_start(exchange)
+    trailers = None if start is None else chunk_lines(exchange.data, start)[1]
+    if trailers is None:
         return False
-    trailers = exchange.data[start:].partition(b"\r\n0\r\n")[2].lower()
-    return trailers.startswith(b"content-length:") or b"\ncontent-length:" in trailers
+    lines = exchange.data[trailers:].split(b"\n\r\n", 1)[0].split(b"\n")
+    return any(line.lower().startswith(b"content-length:") for line in lines)
 
 
 def _keep_alive_10(exchange: Exchange, reference: Verdict) -> bool:
@@ -169,7 +90,7 @@ def _keep_alive_10(exchange: Exchange, reference: Verdict) -> bool:
     return bool(
         reference.kind == "message"
         and head
-        and head.version == b"HTTP/1.0"
+        and head.version in (b"HTTP/1.0", b"HTTP/0.9")
         and b"keep-alive" in [v.lower() for v in head.values(b"connection")]
     )
 
@@ -215,27 +136,32 @@ def _over_caps(exchange: Exchange, _: Verdict) -> bool:
 
 
 def _body_over_cap(exchange: Exchange, reference: Verdict) -> bool:
+    """The body h11 read is over the cap, or (h11 still waiting) its Content-Length says it
+    will be, or the bytes of a body ended by the close already are."""
     if reference.kind == "message":
         return len(reference.body) > BODY_CAP
-    head = final_head(exchange)
-    if head is None or _coding(exchange) or head.values(b"transfer-encoding"):
+    found, start = heads(exchange.data)
+    head = found[-1] if found else None
+    if head is None or not head.complete or _coding(exchange):
+        return False
+    if head.values(b"transfer-encoding"):
         return False
     lengths = head.values(b"content-length")
+    if not lengths:
+        return len(exchange.data) - start > BODY_CAP
     return len(set(lengths)) == 1 and lengths[0].isdigit() and int(lengths[0]) > BODY_CAP
 
 
 def chunk_over_cap(exchange: Exchange, _: Verdict) -> bool:
-    found, start = heads(exchange.data)
-    if not found or not found[-1].values(b"transfer-encoding"):
-        return False
-    return any(size > BODY_CAP for size, _ in chunk_lines(exchange.data, start))
+    start = chunked_start(exchange)
+    sizes = [] if start is None else chunk_lines(exchange.data, start)[0]
+    return any(size > BODY_CAP for size, _ in sizes)
 
 
 def _bad_chunk_ext(exchange: Exchange, _: Verdict) -> bool:
-    found, start = heads(exchange.data)
-    if not found or not found[-1].values(b"transfer-encoding"):
-        return False
-    return any(not _CHUNK_EXT.fullmatch(ext) for _, ext in chunk_lines(exchange.data, start))
+    start = chunked_start(exchange)
+    sizes = [] if start is None else chunk_lines(exchange.data, start)[0]
+    return any(not _CHUNK_EXT.fullmatch(ext) for _, ext in sizes)
 
 
 def _control_char(exchange: Exchange, _: Verdict) -> bool:
@@ -358,6 +284,14 @@ RULES: tuple[Rule, ...] = (
         lambda ex, _: _version(ex, rb"HTTP/1\.[2-9]"),
     ),
     Rule(
+        "interim-answer-in-http-1.0",
+        "HTTP/1.0 has no 1xx (RFC 9110 §15.2: never sent to an HTTP/1.0 client, and this "
+        "client is HTTP/1.1): llhttp takes an HTTP/1.0 1xx as ending the connection and "
+        "refuses what follows; h11 skips it",
+        "may-refuse",
+        lambda ex, _: _version(ex, rb"HTTP/(1\.0|0\.9)", interim=True),
+    ),
+    Rule(
         "major-version-not-1",
         "an HTTP/0.9 or HTTP/2+ status line is not an HTTP/1.1 answer: h11 reads 2.0 as above "
         "1.1 (reusable); refusing it, or reading it without reusing the connection, is safe",
@@ -381,7 +315,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "http-1.0-keep-alive",
         "RFC 9112 §9.3 / appendix C.2.2: a client may honour an HTTP/1.0 answer's keep-alive "
-        "option; h11 never reuses an HTTP/1.0 connection, llhttp does",
+        "option; h11 never reuses an HTTP/1.0 (or 0.9) connection, llhttp does",
         "may-reuse",
         _keep_alive_10,
     ),

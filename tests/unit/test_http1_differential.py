@@ -16,6 +16,7 @@ lists what pdproxy still gets wrong, each with a reproducer that runs as a stric
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,86 +85,76 @@ def check(exchange: Exchange, *, excuse_known: bool = True) -> None:
 
 # --- the seeds: the issue's hostile answers ---
 
-# (name, answer, closed after it, method): run whole and in small pieces
-SEEDS: list[tuple[str, bytes, bool, Literal["POST", "GET"]]] = [
+Seed = tuple[str, bytes, bool, Literal["POST", "GET"]]
+
+
+def seed(name: str, data: bytes, *, close: bool = False, get: bool = False) -> Seed:
+    """A hostile answer (to a POST unless ``get``), run whole and in small pieces."""
+    return name, data, close, "GET" if get else "POST"
+
+
+def answer(fields: bytes, body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\n" + fields + b"\r\n" + body
+
+
+def ok_with(fields: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\n" + fields + OK[17:]
+
+
+def length(body: bytes, fields: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s" % (fields, len(body), body)
+
+
+SEEDS: list[Seed] = [
     # row 1: an interim 1xx is not the answer; 101 is refused
-    ("100-continue", b"HTTP/1.1 100 Continue\r\n\r\n" + KV_ANSWER, False, "POST"),
-    (
-        "103-early-hints",
-        b"HTTP/1.1 103 Early Hints\r\nLink: </s>\r\n\r\n" + KV_ANSWER,
-        False,
-        "POST",
-    ),
-    ("100-then-103", b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 EH\r\n\r\n" + OK, False, "POST"),
-    ("1xx-with-length", b"HTTP/1.1 103 EH\r\nContent-Length: 5\r\n\r\n" + OK, False, "POST"),
-    (
-        "101-switching",
-        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n" + OK,
-        False,
-        "POST",
-    ),
-    ("100-then-close", b"HTTP/1.1 100 Continue\r\n\r\n", True, "POST"),
+    seed("100-continue", b"HTTP/1.1 100 Continue\r\n\r\n" + KV_ANSWER),
+    seed("103-early-hints", b"HTTP/1.1 103 Early Hints\r\nLink: </s>\r\n\r\n" + KV_ANSWER),
+    seed("100-then-103", b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 EH\r\n\r\n" + OK),
+    seed("1xx-with-length", b"HTTP/1.1 103 EH\r\nContent-Length: 5\r\n\r\n" + OK),
+    seed("101-switching", b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n" + OK),
+    seed("100-then-close", b"HTTP/1.1 100 Continue\r\n\r\n", close=True),
     # row 3: heads without bounds
-    (
-        "1mib-header-line",
-        b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * MIB + b"\r\n" + OK[17:],
-        False,
-        "POST",
-    ),
-    ("200k-headers", b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 200_000 + OK[17:], False, "POST"),
-    ("endless-header-line", b"HTTP/1.1 200 OK\r\nX-Endless: " + b"a" * (4 * MIB), False, "POST"),
-    ("endless-headers", b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 100_000, False, "POST"),
+    seed("1mib-header-line", ok_with(b"X-Big: " + b"a" * MIB + b"\r\n")),
+    seed("200k-headers", ok_with(b"X-A: b\r\n" * 200_000)),
+    seed("128-fields", ok_with(b"X-A: b\r\n" * 126)),  # with Content-Type and -Length
+    seed("129-fields", ok_with(b"X-A: b\r\n" * 127)),
+    seed("endless-header-line", b"HTTP/1.1 200 OK\r\nX-Endless: " + b"a" * (4 * MIB)),
+    seed("endless-headers", b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 100_000),
     # row 9: status 000 (and its neighbours) is malformed, not "no answer yet"
-    ("status-000", b"HTTP/1.1 000 Zero\r\nContent-Length: 2\r\n\r\n{}", False, "POST"),
-    ("status-000-bare", b"HTTP/1.1 000\r\n\r\n", False, "POST"),
-    ("status-099", b"HTTP/1.1 099 X\r\nContent-Length: 2\r\n\r\n{}", False, "POST"),
+    seed("status-000", b"HTTP/1.1 000 Zero\r\nContent-Length: 2\r\n\r\n{}"),
+    seed("status-000-bare", b"HTTP/1.1 000\r\n\r\n"),
+    seed("status-099", b"HTTP/1.1 099 X\r\nContent-Length: 2\r\n\r\n{}"),
     # row 10: 600-999 is malformed, not relayed
-    ("status-600", b"HTTP/1.1 600 X\r\nContent-Length: 2\r\n\r\n{}", False, "POST"),
-    ("status-999", b"HTTP/1.1 999 X\r\nContent-Length: 2\r\n\r\n{}", False, "POST"),
-    # row 11: chunk sizes bounded, 204/304 to a POST malformed
-    ("chunk-2^64-1", CHUNKED + b"ffffffffffffffff\r\n" + b"x" * 4096, False, "POST"),
-    ("chunk-2^64-1-closed", CHUNKED + b"ffffffffffffffff\r\n" + b"x" * 4096, True, "POST"),
-    ("chunk-21-digits", CHUNKED + b"1" + b"0" * 20 + b"\r\nxx", False, "POST"),
-    ("204-to-post", b"HTTP/1.1 204 No Content\r\n\r\n", False, "POST"),
-    ("304-to-post", b"HTTP/1.1 304 Not Modified\r\nContent-Length: 2\r\n\r\n", False, "POST"),
-    ("204-to-get", b"HTTP/1.1 204 No Content\r\n\r\n", False, "GET"),
+    seed("status-600", b"HTTP/1.1 600 X\r\nContent-Length: 2\r\n\r\n{}"),
+    seed("status-999", b"HTTP/1.1 999 X\r\nContent-Length: 2\r\n\r\n{}"),
+    # row 11: buffered bodies capped, chunk sizes bounded, content codings decoded or
+    # refused, 204/304 to a POST malformed
+    seed("body-past-cap", length(b"x" * (BODY_CAP + 1))),
+    seed("length-past-cap", b"HTTP/1.1 200 OK\r\nContent-Length: 524288000\r\n\r\nxx"),
+    seed("close-body-past-cap", b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * (BODY_CAP + 1)),
+    seed("chunk-2^64-1", CHUNKED + b"ffffffffffffffff\r\n" + b"x" * 4096),
+    seed("chunk-2^64-1-closed", CHUNKED + b"ffffffffffffffff\r\n" + b"x" * 4096, close=True),
+    seed("chunk-21-digits", CHUNKED + b"1" + b"0" * 20 + b"\r\nxx"),
+    seed("gzip", length(gzip.compress(KV, mtime=0), b"Content-Encoding: gzip\r\n")),
+    seed(
+        "gzip-bomb", length(gzip.compress(bytes(8 * MIB), mtime=0), b"Content-Encoding: gzip\r\n")
+    ),
+    seed("gzip-cut", length(gzip.compress(KV, mtime=0)[:-4], b"Content-Encoding: gzip\r\n")),
+    seed("brotli", length(b"\x1b\x01", b"Content-Encoding: br\r\n")),
+    seed("204-to-post", b"HTTP/1.1 204 No Content\r\n\r\n"),
+    seed("304-to-post", b"HTTP/1.1 304 Not Modified\r\nContent-Length: 2\r\n\r\n"),
+    seed("204-to-get", b"HTTP/1.1 204 No Content\r\n\r\n", get=True),
     # trailers stay with their answer, never on the next one
-    (
-        "trailers",
-        CHUNKED + b"2\r\n{}\r\n0\r\nX-Trailer: t\r\nServer-Timing: a\r\n\r\n",
-        False,
-        "POST",
-    ),
-    ("trailer-length", CHUNKED + b"2\r\n{}\r\n0\r\nContent-Length: 9\r\n\r\n", False, "POST"),
+    seed("trailers", CHUNKED + b"2\r\n{}\r\n0\r\nX-Trailer: t\r\nServer-Timing: a\r\n\r\n"),
+    seed("trailer-length", CHUNKED + b"2\r\n{}\r\n0\r\nContent-Length: 9\r\n\r\n"),
     # framing: bytes after the answer, smuggling shapes, transfer codings
-    ("bytes-after-answer", OK + b"HTT", False, "POST"),
-    ("answer-after-answer", OK + KV_ANSWER, False, "POST"),
-    (
-        "conflicting-lengths",
-        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}x",
-        False,
-        "POST",
-    ),
-    ("plus-length", b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\n{}", False, "POST"),
-    (
-        "gzip-then-chunked",
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
-        False,
-        "POST",
-    ),
-    (
-        "chunked-twice",
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-encoding: chunked\r\n"
-        b"\r\n0\r\n\r\n",
-        False,
-        "POST",
-    ),
-    (
-        "chunked-then-gzip",
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n{}",
-        True,
-        "POST",
-    ),
+    seed("bytes-after-answer", OK + b"HTT"),
+    seed("answer-after-answer", OK + KV_ANSWER),
+    seed("conflicting-lengths", ok_with(b"Content-Length: 3\r\n") + b"x"),
+    seed("plus-length", b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\n{}"),
+    seed("gzip-then-chunked", CHUNKED.replace(b"chunked", b"gzip, chunked") + b"0\r\n\r\n"),
+    seed("chunked-twice", answer(b"Transfer-Encoding: chunked\r\n" * 2, b"0\r\n\r\n")),
+    seed("chunked-then-gzip", CHUNKED.replace(b"chunked", b"chunked, gzip") + b"{}", close=True),
 ]
 
 
@@ -199,6 +190,7 @@ def test_hostile_seed_gets_the_reference_verdict(exchange: Exchange) -> None:
     derandomize=not FUZZ_EXAMPLES,
     deadline=None,
     database=None,
+    print_blob=bool(FUZZ_EXAMPLES),  # a fuzz run's failure comes with its @reproduce_failure
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(exchange=exchanges())
