@@ -30,7 +30,9 @@ NEXT = (200, b"next", ("content-length", "x-next"))
 # h11's bound on a head (and on a chunk header or trailers) still incomplete: pdproxy's own
 # caps on a head are at most this (the test's rules name where pdproxy's are stricter).
 H11_MAX_HEAD = 64 * 1024
-_SETTLE = 8  # loop turns without a delivery before an unfinished reader counts as waiting
+# loop turns without a delivery before an unfinished reader counts as waiting (a coded
+# body decodes a piece per turn: enough for any body under the test's cap)
+_SETTLE = 64
 _MAX_TURNS = 20_000  # a reader still busy after this many loop turns is a hang
 
 

@@ -52,6 +52,12 @@ def _version(exchange: Exchange, pattern: bytes, interim: bool = False) -> bool:
     return any(re.fullmatch(pattern, h.version) for h in found)
 
 
+def _status_over_599(exchange: Exchange, reference: Verdict) -> bool:
+    head = final_head(exchange)
+    code = head.code if head is not None and head.complete else None
+    return (code or 0) >= 600 or (reference.kind == "message" and reference.status >= 600)
+
+
 def _duplicate_length(exchange: Exchange, _: Verdict) -> bool:
     head = final_head(exchange)
     lengths = head.values(b"content-length") if head else []
@@ -209,9 +215,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "status-outside-100-599",
         "h11 reads 600-999 as a final answer; RFC 9110 §15 defines 100-599 and uvicorn drops "
-        "the client on anything else (issue 19 row 10): pdproxy answers 502 instead",
+        "the client on anything else (issue 19 row 10): pdproxy refuses it at the head",
         "refuse",
-        lambda _, ref: ref.kind == "message" and ref.status >= 600,
+        _status_over_599,
     ),
     Rule(
         "no-content-to-post",
