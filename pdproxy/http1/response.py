@@ -201,6 +201,8 @@ class Response:
         while chunk := await self.read_chunk(timeout):
             size += len(chunk)
             if size > limit:
+                # the traceback keeps this frame until a collection: not the body with it
+                parts.clear()
                 raise ResponseTooLarge(limit)
             parts.append(chunk)
         return b"".join(parts)
