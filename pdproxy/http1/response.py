@@ -196,7 +196,7 @@ class Response:
         length = self.headers.get("content-length")
         if self._decoder is None and length is not None and int(length) > limit:
             raise ResponseTooLarge(limit)
-        parts = []
+        parts: list[bytes] = []
         size = 0
         while chunk := await self.read_chunk(timeout):
             size += len(chunk)
