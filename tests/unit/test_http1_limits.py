@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import inspect
 import socket
 import zlib
 from collections.abc import Awaitable, Callable
@@ -17,6 +18,7 @@ import pytest
 import uvloop
 
 from pdproxy import http1
+from pdproxy.cli import parse_config
 from pdproxy.http1.connection import MAX_FIELDS, MAX_HEAD, MAX_LINE
 from tests.integration.test_http1 import CHUNKED_HEAD, OK, answer, chunk, pool, post, serving
 
@@ -390,6 +392,17 @@ async def test_a_cut_gzip_body_is_malformed() -> None:
         response.close()
 
 
+def test_the_body_cap_is_a_flag() -> None:
+    argv = ["--prefill", "a:1", "--decode", "c:3"]
+    assert parse_config(argv, {}).pool.max_response_body_bytes == 256 * 1024 * 1024
+    config = parse_config([*argv, "--max-response-body-bytes", "1000"], {})
+    assert config.pool.max_response_body_bytes == 1000
+    env = {"PDPROXY_MAX_RESPONSE_BODY_BYTES": "2000"}
+    assert parse_config(argv, env).pool.max_response_body_bytes == 2000
+    with pytest.raises(SystemExit):
+        parse_config([*argv, "--max-response-body-bytes", "0"], {})
+
+
 # --- repeated headers ---
 
 
@@ -452,7 +465,7 @@ def _calls() -> list[tuple[str, Callable[..., Awaitable[None]], dict[str, object
     """Every case of this module with each of its parameters (one parametrize mark each)."""
     calls = []
     for name, case in sorted(globals().items()):
-        if not name.startswith("test_") or name == "test_on_uvloop":
+        if not name.startswith("test_") or not inspect.iscoroutinefunction(case):
             continue
         marks = [m for m in getattr(case, "pytestmark", []) if m.name == "parametrize"]
         if not marks:
