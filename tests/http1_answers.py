@@ -337,10 +337,19 @@ def heads(data: bytes) -> tuple[tuple[Head, ...], int]:
             return tuple(found), pos
 
 
-def chunk_lines(data: bytes, pos: int) -> tuple[list[tuple[int, bytes]], int | None]:
-    """The (size, extensions) a chunked body starting at ``pos`` announces, read as far as
-    it is sane, and where its trailers start (None if no last chunk was seen)."""
-    found = []
+@dataclass(frozen=True)
+class Chunks:
+    """What a chunked body announces, read as far as it is sane: each chunk's (size,
+    extensions), where its trailers start (None if no last chunk came) and how many body
+    bytes arrived."""
+
+    lines: list[tuple[int, bytes]]
+    trailers: int | None
+    received: int
+
+
+def chunk_lines(data: bytes, pos: int) -> Chunks:
+    found, received = [], 0
     while (end := data.find(b"\n", pos)) >= 0:
         match = re.match(rb"([0-9a-fA-F]+)(.*?)\r?$", data[pos:end], re.S)
         if not match:
@@ -348,11 +357,12 @@ def chunk_lines(data: bytes, pos: int) -> tuple[list[tuple[int, bytes]], int | N
         size = int(match.group(1), 16)
         found.append((size, match.group(2)))
         if size == 0:
-            return found, end + 1
+            return Chunks(found, end + 1, received)
+        received += min(size, len(data) - end - 1)
         if size > len(data):
             break
         pos = end + 1 + size + 2
-    return found, None
+    return Chunks(found, None, received)
 
 
 def chunked_start(exchange: Exchange) -> int | None:
