@@ -43,10 +43,11 @@ def decoder_for(coding: str | None) -> Decoder | None:
 class Decoder:
     """One coded body's decoder; ``decode`` until the body ends, then ``finish``."""
 
-    __slots__ = ("_zlib",)
+    __slots__ = ("_fed", "_zlib")
 
     def __init__(self, wbits: int) -> None:
         self._zlib = zlib.decompressobj(wbits)
+        self._fed = False
 
     @property
     def pending(self) -> bool:
@@ -57,13 +58,17 @@ class Decoder:
         """At most ``PIECE`` decoded bytes of what was fed so far and ``data``."""
         z = self._zlib
         tail = z.unconsumed_tail
+        self._fed = self._fed or bool(data)
         try:
             return z.decompress(tail + data if tail else data, PIECE)
         except zlib.error as exc:
             raise MalformedResponse("the answer's coded body does not decode") from exc
 
     def finish(self) -> None:
-        """The body ended: it must have ended the coded stream, with nothing after it."""
+        """The body ended: it must have ended the coded stream, with nothing after it (or
+        been empty: a 204's ``Content-Encoding`` codes no bytes)."""
         z = self._zlib
+        if not self._fed:
+            return
         if not z.eof or z.unused_data or z.unconsumed_tail:
             raise MalformedResponse("the answer's coded body is cut short or has bytes after it")

@@ -383,6 +383,14 @@ async def test_codings_pdproxy_cannot_read_are_malformed(fields: list[bytes]) ->
                 response.close()
 
 
+async def test_an_empty_coded_body_is_empty() -> None:
+    data = head(b"204 No Content", b"content-encoding: gzip")
+    async with serving(answer(data)) as server, pool() as p:
+        response = await p.request("GET", server.url, b"", {}, headers_within=1.0)
+        assert await response.read_all(1.0) == b""
+        response.release()
+
+
 async def test_a_cut_gzip_body_is_malformed() -> None:
     cut = gzip.compress(b"x" * 10_000)[:-8]
     async with serving(answer(whole(cut, b"content-encoding: gzip"))) as server, pool() as p:
