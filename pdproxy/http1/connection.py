@@ -85,7 +85,8 @@ class Connection(asyncio.Protocol):
         self._in_head = True
         self._interim = False  # a 1xx, skipped
         self._dry = 0  # bytes read in a row with no body byte among them
-        self._fileno: int | None = None  # the socket's, to look at it while idle; -1: none
+        self._poll: select.poll | None = None  # the socket, to look at it while idle
+        self._pollable = hasattr(select, "poll")  # false: the OS gives no way (Windows)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -170,18 +171,21 @@ class Connection(asyncio.Protocol):
     def quiet(self) -> bool:
         """An idle connection is fit for a next request: open, and (where the OS lets us
         look) nothing has arrived on its socket, neither bytes nor the engine's close,
-        that the loop has not read yet."""
+        that the loop has not read yet. One poll(2) of the socket, kept registered."""
         transport = self.transport
         if self.closed or transport is None or transport.is_closing():
             return False
-        fileno = self._fileno
-        if fileno is None:
+        poll = self._poll
+        if poll is None:
+            if not self._pollable:
+                return True
             sock = transport.get_extra_info("socket")
-            fileno = self._fileno = sock.fileno() if sock is not None else -1
-        if fileno < 0 or not hasattr(select, "poll"):
-            return True
-        poll = select.poll()
-        poll.register(fileno, select.POLLIN)
+            fileno = sock.fileno() if sock is not None else -1
+            if fileno < 0:  # no socket to look at (a test's transport)
+                self._pollable = False
+                return True
+            poll = self._poll = select.poll()
+            poll.register(fileno, select.POLLIN)
         return not poll.poll(0)  # readable while idle: bytes, an end or an error
 
     # --- httptools callbacks ---
