@@ -116,10 +116,13 @@ def _unknown_coding(exchange: Exchange, _: Verdict) -> bool:
 
 
 def _decoded(exchange: Exchange, verdict: Verdict) -> Verdict:
-    """The message with its body decoded as its Content-Encoding says, or an error."""
+    """The message with its body decoded as its Content-Encoding says, or an error (an
+    empty body stays empty: a 204's coding codes no bytes)."""
     wbits = _WBITS.get(_coding(exchange))
     if wbits is None:
         return ERROR
+    if not verdict.body:
+        return verdict
     z = zlib.decompressobj(wbits)
     try:
         body = z.decompress(verdict.body)

@@ -132,6 +132,7 @@ SEEDS: list[Seed] = [
         "gzip-bomb", length(gzip.compress(bytes(8 * MIB), mtime=0), b"Content-Encoding: gzip\r\n")
     ),
     seed("gzip-cut", length(gzip.compress(KV, mtime=0)[:-4], b"Content-Encoding: gzip\r\n")),
+    seed("gzip-empty", b"HTTP/1.1 204 No Content\r\nContent-Encoding: gzip\r\n\r\n", get=True),
     seed("brotli", length(b"\x1b\x01", b"Content-Encoding: br\r\n")),
     seed("204-to-post", b"HTTP/1.1 204 No Content\r\n\r\n"),
     seed("304-to-post", b"HTTP/1.1 304 Not Modified\r\nContent-Length: 2\r\n\r\n"),
