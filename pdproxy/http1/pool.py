@@ -130,11 +130,9 @@ class Pool:
         queue = self._waiting.setdefault(key, deque())
         if arrival is None:
             arrival = next(self._arrivals)
-            entry = (arrival, turn)
-            queue.append(entry)
+            queue.append(entry := (arrival, turn))
         else:  # woken, but the slot was taken before it ran: first again
-            entry = (arrival, turn)
-            queue.appendleft(entry)
+            queue.appendleft(entry := (arrival, turn))
         timer = None if by is None else self.loop.call_at(by, _no_turn, turn)
         try:
             await turn
