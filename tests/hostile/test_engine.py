@@ -23,6 +23,7 @@ from pdproxy.scheduling_config import SchedulingConfig
 from tests.hostile.hostile_engine import (
     MODEL,
     Exchange,
+    HealthProbe,
     Writer,
     ask,
     attacked,
@@ -113,9 +114,10 @@ async def test_client_b_never_gets_client_a_answer_after_an_early_hint() -> None
     """The issue's scenario: the prefill sends 103, then A's answer; B, next on the same
     pooled connection, must get its own (before: A got 103 and B got A's KV params)."""
     async with fleet(prefill=early(b"103 Early Hints", good_prefill)) as f:
-        async with aiohttp.ClientSession() as session:
+        async with HealthProbe(f.proxy.url) as health, aiohttp.ClientSession() as session:
             a = await ask(session, f, "client A")
             b = await ask(session, f, "client B")
+        health.assert_fast(at_least=5)
         a.assert_own()
         b.assert_own()
         assert f.prefills[0].connections == 1  # one pooled connection carried both
@@ -300,7 +302,11 @@ async def test_a_freed_slot_is_never_lost_to_a_host_at_its_cap() -> None:
             prefill_policy="round-robin", decode_policy="round-robin", pd_threshold_tokens=10**6
         ),
     }
-    async with fleet(decode=[held, held, held], **proxy) as f, aiohttp.ClientSession() as s:
+    async with (
+        fleet(decode=[held, held, held], **proxy) as f,
+        HealthProbe(f.proxy.url) as health,
+        aiohttp.ClientSession() as s,
+    ):
         pool = f.proxy.state.client._legs
         first = [asyncio.create_task(ask(s, f, f"busy {i}")) for i in range(3)]
         await _until(lambda: all(d.exchanges for d in f.decodes))
@@ -317,6 +323,7 @@ async def test_a_freed_slot_is_never_lost_to_a_host_at_its_cap() -> None:
             gates.setdefault(event, asyncio.Event()).set()
         for task in first + waiting:
             assert (await asyncio.wait_for(task, 5.0)).status == 200
+    health.assert_fast(at_least=5)
 
 
 async def _until(condition, seconds: float = 3.0) -> None:
