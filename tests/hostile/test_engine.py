@@ -22,6 +22,7 @@ from pdproxy.config import PoolLimits
 from pdproxy.scheduling_config import SchedulingConfig
 from tests.hostile.hostile_engine import (
     MODEL,
+    Answer,
     Exchange,
     HealthProbe,
     Writer,
@@ -94,7 +95,17 @@ async def refused(attack, *, status: int = 502, error_type: str | None = BAD_GAT
     async with fleet(decode=attacked(attack, good_decode), **kw.pop("proxy", {})) as f:
         attacks, _ = await drive(f, **kw)
     for answer in attacks:
-        answer.assert_error(status, error_type)
+        assert_error(answer, status, error_type)
+
+
+def assert_error(answer: Answer, status: int, error_type: str | None) -> None:
+    """An OpenAI-shaped JSON error with ``status`` (never a 200 or an empty body)."""
+    assert answer.status == status, (answer.status, answer.body[:300])
+    error = orjson.loads(answer.body)["error"]
+    assert {"message", "type", "code"} <= set(error), error
+    assert error["code"] == status
+    if error_type is not None:
+        assert error["type"] == error_type, error
 
 
 # --- row 1: interim 1xx ---
