@@ -340,16 +340,17 @@ def heads(data: bytes) -> tuple[tuple[Head, ...], int]:
 @dataclass(frozen=True)
 class Chunks:
     """What a chunked body announces, read as far as it is sane: each chunk's (size,
-    extensions), where its trailers start (None if no last chunk came) and how many body
-    bytes arrived."""
+    extensions), where its trailers start (None if no last chunk came) and the body bytes
+    that arrived."""
 
     lines: list[tuple[int, bytes]]
     trailers: int | None
-    received: int
+    received: bytes
 
 
 def chunk_lines(data: bytes, pos: int) -> Chunks:
-    found, received = [], 0
+    found: list[tuple[int, bytes]] = []
+    received: list[bytes] = []
     while (end := data.find(b"\n", pos)) >= 0:
         match = re.match(rb"([0-9a-fA-F]+)(.*?)\r?$", data[pos:end], re.S)
         if not match:
@@ -357,12 +358,12 @@ def chunk_lines(data: bytes, pos: int) -> Chunks:
         size = int(match.group(1), 16)
         found.append((size, match.group(2)))
         if size == 0:
-            return Chunks(found, end + 1, received)
-        received += min(size, len(data) - end - 1)
+            return Chunks(found, end + 1, b"".join(received))
+        received.append(data[end + 1 : end + 1 + size])
         if size > len(data):
             break
         pos = end + 1 + size + 2
-    return Chunks(found, None, received)
+    return Chunks(found, None, b"".join(received))
 
 
 def chunked_start(exchange: Exchange) -> int | None:

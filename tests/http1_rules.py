@@ -144,21 +144,57 @@ def _over_caps(exchange: Exchange, _: Verdict) -> bool:
     )
 
 
+def _received(exchange: Exchange) -> bytes | None:
+    """The body bytes of the final answer that arrived (None before its head is whole)."""
+    found, start = heads(exchange.data)
+    if not found or not found[-1].complete:
+        return None
+    head, data = found[-1], exchange.data
+    if head.values(b"transfer-encoding"):
+        return chunk_lines(data, start).received
+    lengths = head.values(b"content-length")
+    if len(set(lengths)) == 1 and lengths[0].isdigit():
+        return data[start : start + int(lengths[0])]
+    return data[start:]
+
+
+def _decoded_so_far(exchange: Exchange) -> bytes | None:
+    """What the received body decodes to so far; None if it cannot be a coded stream's
+    start (or nothing is coded)."""
+    body, wbits = _received(exchange), _WBITS.get(_coding(exchange))
+    if body is None or wbits is None:
+        return None
+    try:
+        return zlib.decompressobj(wbits).decompress(body)
+    except zlib.error:
+        return None
+
+
+def _coding_fails_early(exchange: Exchange, reference: Verdict) -> bool:
+    return (
+        reference.kind != "message"
+        and _coding(exchange) in _WBITS
+        and bool(_received(exchange))
+        and _decoded_so_far(exchange) is None
+    )
+
+
 def _body_over_cap(exchange: Exchange, reference: Verdict) -> bool:
     """The body h11 read is over the cap, or (h11 still waiting) its Content-Length says it
-    will be, or the bytes of a chunked body, or one ended by the close, already are."""
+    will be, or the bytes that came (decoded, for a coded body) already are."""
     if reference.kind == "message":
         return len(reference.body) > BODY_CAP
-    found, start = heads(exchange.data)
-    head = found[-1] if found else None
-    if head is None or not head.complete or _coding(exchange):
+    head = final_head(exchange)
+    if head is None or not head.complete:
         return False
-    if head.values(b"transfer-encoding"):
-        return chunk_lines(exchange.data, start).received > BODY_CAP
     lengths = head.values(b"content-length")
-    if not lengths:
-        return len(exchange.data) - start > BODY_CAP
-    return len(set(lengths)) == 1 and lengths[0].isdigit() and int(lengths[0]) > BODY_CAP
+    if _coding(exchange):
+        body = _decoded_so_far(exchange)
+    elif not head.values(b"transfer-encoding") and len(set(lengths)) == 1:
+        return lengths[0].isdigit() and int(lengths[0]) > BODY_CAP
+    else:
+        body = _received(exchange)
+    return body is not None and len(body) > BODY_CAP
 
 
 def _bad_chunk_ext(exchange: Exchange, _: Verdict) -> bool:
@@ -180,6 +216,13 @@ RULES: tuple[Rule, ...] = (
         "as JSON); h11 hands the coded bytes on",
         "decode",
         _coded,
+    ),
+    Rule(
+        "content-coding-fails-early",
+        "a coded body is decoded as its bytes come, so one whose first bytes cannot be a "
+        "gzip or deflate stream fails there; h11 (no decoding) waits for the rest",
+        "refuse",
+        _coding_fails_early,
     ),
     Rule(
         "content-coding-unknown",
