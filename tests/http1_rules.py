@@ -188,7 +188,7 @@ def _body_over_cap(exchange: Exchange, reference: Verdict) -> bool:
     if head is None or not head.complete:
         return False
     lengths = head.values(b"content-length")
-    if _coding(exchange):
+    if _coding(exchange) not in (b"", b"identity"):
         body = _decoded_so_far(exchange)
     elif not head.values(b"transfer-encoding") and len(set(lengths)) == 1:
         return lengths[0].isdigit() and int(lengths[0]) > BODY_CAP
