@@ -51,6 +51,13 @@ bench: install
 	$(PY) -m bench.run $(if $(ANCHOR),--anchor $(ANCHOR)) $(BENCH_ARGS)
 	$(PY) -m bench.sched_micro
 
+## fuzz: the differential test of the legs' HTTP/1.1 client against h11, at length
+## (FUZZ_EXAMPLES random answers, a new seed each run; make test runs 300, derandomized)
+FUZZ_EXAMPLES ?= 20000
+.PHONY: fuzz
+fuzz: install
+	PDPROXY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/unit/test_http1_differential.py $(PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 

@@ -235,6 +235,7 @@ def _pool(a: argparse.Namespace) -> PoolLimits:
         max_connections=a.max_connections,
         max_connections_per_host=a.max_connections_per_host,
         keepalive_expiry=a.keepalive_expiry_secs,
+        max_response_body_bytes=a.max_response_body_bytes,
     )
 
 

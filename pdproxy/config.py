@@ -69,16 +69,21 @@ class PoolLimits:
     """Upstream connection pool; 0 means no cap (aiohttp's default of 100 would queue streams).
 
     ``keepalive_expiry`` stays below vLLM's 5 s uvicorn keep-alive so the proxy never writes
-    into a socket the engine is closing.
+    into a socket the engine is closing. ``max_response_body_bytes`` caps an engine answer
+    read whole (not a stream, which is relayed as it comes): 256 MiB is over what vLLM
+    answers at the most (128k tokens with 20 top logprobs each are about 150 MB of JSON).
     """
 
     max_connections: int = 0
     max_connections_per_host: int = 0
     keepalive_expiry: float = 4.0
+    max_response_body_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.max_connections < 0 or self.max_connections_per_host < 0:
             raise ConfigError("connection limits must be >= 0")
+        if self.max_response_body_bytes <= 0:
+            raise ConfigError("--max-response-body-bytes must be positive")
         if not 0 < self.keepalive_expiry < 5:
             raise ConfigError("keepalive expiry must be in (0, 5) s, below vLLM's keep-alive")
 

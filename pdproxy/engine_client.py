@@ -4,7 +4,11 @@ The request legs go through pdproxy's own HTTP/1.1 client (``pdproxy.http1``, on
 the probes and scrapes through one small aiohttp ``ClientSession``; both are created in the
 app's lifespan. Their exceptions are mapped here to ``pdproxy.errors`` (httpx's
 ``map_httpcore_exceptions`` pattern) so nothing above this module sees either. The mapping
-keeps retry-safety apart: ``UpstreamConnectError`` means nothing reached the engine.
+keeps retry-safety apart: ``UpstreamConnectError`` means nothing reached the engine. An
+answer that is not usable HTTP (``http1.MalformedResponse``) is an ``UpstreamProtocolError``
+(502, retried before the client's response starts, counted against the engine); a body
+past ``--max-response-body-bytes`` a plain ``UpstreamError`` (502, neither retried nor
+counted: the size is the request's doing as much as the engine's).
 
 ``https://`` engines are verified by aiohttp's defaults, or, given ``EngineTLS``, by one
 ``SSLContext`` (its CA, and a client certificate for mTLS) shared by both pools. A failed
@@ -54,6 +58,13 @@ def _translate(exc: BaseException, leg: str, url: str) -> UpstreamError:
         return UpstreamConnectError(
             f"TLS handshake with {leg} engine {url} failed ({tls_reason})", leg=leg
         )
+    if isinstance(exc, http1.ResponseTooLarge):
+        return UpstreamError(
+            f"{leg} engine {url} answered over {exc.limit} bytes (--max-response-body-bytes)",
+            leg=leg,
+        )
+    if isinstance(exc, http1.MalformedResponse):
+        return UpstreamProtocolError(f"{leg} engine {url} answered malformed HTTP: {exc}", leg=leg)
     connect_errors = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
     if isinstance(exc, (*connect_errors, http1.ConnectFailed)):
         return UpstreamConnectError(f"cannot connect to {leg} engine {url}", leg=leg)
@@ -165,7 +176,9 @@ class UpstreamResponse:
         self._response.push_to(sink)
 
     def header(self, name: str) -> str | None:
-        """One of the answer's headers (case-insensitive), if it has it."""
+        """One of the answer's headers (case-insensitive), if it has it: a repeated one's
+        values joined with ", " (Set-Cookie and singletons: the first); all of them are in
+        ``http1.Response.headers``."""
         return self._response.headers.get(name.lower())
 
     def release(self) -> None:
@@ -211,6 +224,7 @@ class EngineClient:
             keepalive_expiry=self._pool.keepalive_expiry,
             connect_timeout=self._timeouts.connect,
             ssl_context=verify if isinstance(verify, ssl.SSLContext) else None,
+            max_body=self._pool.max_response_body_bytes,
         )
         probes = aiohttp.TCPConnector(
             limit=_PROBE_CONNECTIONS, keepalive_timeout=self._pool.keepalive_expiry, ssl=verify
@@ -301,13 +315,15 @@ class EngineClient:
             return False
 
     async def get_json(self, url: str) -> Any:
-        """A probe (``/v1/models``, ``/health``): short timeout, its own pool."""
+        """A probe (``/v1/models``, ``/health``): short timeout, its own pool, the body
+        capped as the legs' are."""
         session = self._require(self._probe_session)
         with _mapped_errors("probe", url):
             async with session.get(url) as response:
                 if response.status != 200:
                     raise UpstreamError(f"{url} answered HTTP {response.status}", leg="probe")
-                return orjson.loads(await response.read())
+                body = await _read_at_most(response, self._pool.max_response_body_bytes)
+        return orjson.loads(body)
 
     async def get_text(self, url: str, timeout: float, limit: int) -> str:
         """A scrape (``/metrics``) on the probe pool, whole within ``timeout``: the body as

@@ -3,7 +3,14 @@ each, the defaults taken from the config classes (``pdproxy.flags`` adds them by
 
 from __future__ import annotations
 
-from pdproxy.config import AdmissionConfig, HealthConfig, OutlierConfig, RetryConfig, Timeouts
+from pdproxy.config import (
+    AdmissionConfig,
+    HealthConfig,
+    OutlierConfig,
+    PoolLimits,
+    RetryConfig,
+    Timeouts,
+)
 from pdproxy.scheduling_config import SchedulingConfig
 
 # Numeric flags, as (flags, type, default, help): one line each, defaults from the config.
@@ -76,6 +83,12 @@ UPSTREAM: tuple[NumberFlag, ...] = (
         float,
         4.0,
         "Idle pooled connections are closed after this, below vLLM's 5 s keep-alive.",
+    ),
+    (
+        ("--max-response-body-bytes",),
+        int,
+        PoolLimits().max_response_body_bytes,
+        "Cap on an engine answer read whole (streams are relayed); past it the leg fails (502).",
     ),
 )
 RETRY: tuple[NumberFlag, ...] = (

@@ -1,18 +1,36 @@
-"""One keep-alive connection to an engine (an asyncio protocol on httptools' parser) and
-the answer it is reading (``Response``)."""
+"""One keep-alive connection to an engine: an asyncio protocol on httptools' parser.
+
+It reads one answer per request as RFC 9112 frames it, with the caps aiohttp's client has
+(docs/security.md, "Engine answers"):
+
+* interim ``1xx`` answers are skipped (their heads capped like any other); ``101`` is
+  refused, pdproxy never asks to upgrade; a status outside 100-599 (``000`` included) is
+  malformed;
+* a head: each line at most ``MAX_LINE`` bytes, at most ``MAX_FIELDS`` fields, at most
+  ``MAX_HEAD`` bytes in all; bytes that are no body (heads, chunk framing, trailers) at
+  most ``MAX_HEAD`` in a row, counted as they arrive, so an endless header is refused
+  after one read past the cap, never buffered whole;
+* trailers are counted and dropped, never kept for the next answer;
+* a byte after the answer's end makes the connection unusable (closed), so it can never
+  be read as the next request's answer.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import select
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
 
-from pdproxy.http1.errors import ConnectionBroken, HTTPError, MalformedResponse, ReadTimeout
+from pdproxy.http1.errors import ConnectionBroken, HTTPError, MalformedResponse
+from pdproxy.http1.response import HIGH_WATER, Response
 
-_HIGH_WATER = 256 * 1024  # body bytes buffered before the engine's socket is paused
+MAX_LINE = 8190  # aiohttp's max_line_size / max_field_size
+MAX_FIELDS = 128  # aiohttp's max_headers
+MAX_HEAD = 64 * 1024
+_FRAMING = (b"content-length", b"transfer-encoding")
 
 
 class Owner(Protocol):
@@ -47,146 +65,6 @@ class Target:
         self.head = f" {target} HTTP/1.1\r\nHost: {host}\r\n"  # never the URL's userinfo
 
 
-class Response:
-    """An answer whose status and headers have arrived; its body is read with
-    ``read_chunk``/``read_all``, then the connection is ``release()``d or ``close()``d."""
-
-    def __init__(self, connection: Connection, deadline: float | None) -> None:
-        self.status = 0
-        self.headers: dict[str, str] = {}  # names in lower case; a repeated one: the last
-        self.complete = False
-        self._connection = connection
-        self._loop = connection.loop
-        self._deadline = deadline  # loop time the whole answer must be in by
-        self._chunks: list[bytes] = []
-        self._buffered = 0
-        self._error: HTTPError | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._keep_alive = False
-        self._framed = False  # a length or chunked: else the body ends with the connection
-        self._done = False  # released or closed
-        self._sink: Callable[[bytes], bool] | None = None  # push_to's
-
-    async def _wait(self, timeout: float | None) -> None:
-        if timeout is None and self._deadline is None:  # a stream's body: no timer
-            waiter = self._waiter = self._loop.create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-            return
-        deadline = self._deadline
-        if deadline is not None:
-            left = deadline - self._loop.time()
-            timeout = left if timeout is None else min(timeout, left)
-            if timeout <= 0:
-                raise ReadTimeout("the answer missed its deadline")
-        waiter = self._waiter = self._loop.create_future()
-        timer = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-            if timer is not None:
-                timer.cancel()
-
-    async def _wait_headers(self, by: float | None) -> None:
-        """Until the status and headers are in, at the latest at loop time ``by``."""
-        while not self.status:
-            if self._error is not None:
-                raise self._error
-            timeout = None if by is None else by - self._loop.time()
-            if timeout is not None and timeout <= 0:
-                raise ReadTimeout("the engine's answer did not start in time")
-            await self._wait(timeout)
-
-    async def read_chunk(self, timeout: float | None = None) -> bytes:
-        """Whatever body bytes have arrived (waiting at most ``timeout`` for some); b"" once
-        the body is whole."""
-        while True:
-            chunks = self._chunks
-            if chunks:
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                if self._buffered > _HIGH_WATER:
-                    self._connection.resume_reading()
-                self._buffered = 0
-                return data
-            if self._error is not None:
-                raise self._error
-            if self.complete:
-                return b""
-            await self._wait(timeout)
-
-    def push_to(self, sink: Callable[[bytes], bool] | None) -> None:
-        """While set, body bytes are handed to ``sink`` in the connection's own callback as
-        they arrive (the pieces of one read joined), before any reader waits for them;
-        ``sink`` returns False to decline them, and they are then buffered (with all that
-        follows) for ``read_chunk`` as usual. Bytes already buffered come first: none are
-        offered while some wait."""
-        self._sink = sink
-
-    async def read_all(self, timeout: float | None = None) -> bytes:
-        """The whole body, each silence at most ``timeout``."""
-        parts = []
-        while chunk := await self.read_chunk(timeout):
-            parts.append(chunk)
-        return b"".join(parts)
-
-    def release(self) -> None:
-        """Done with a whole body: the connection is pooled again (if it can be reused)."""
-        if self._done:
-            return
-        if self.complete and self._keep_alive and self._error is None:
-            self._done = True
-            self._sink = None
-            self._connection.pool.release(self._connection)
-        else:
-            self.close()
-
-    def close(self) -> None:
-        """Abandon the answer: the connection is closed (vLLM aborts the request)."""
-        if not self._done:
-            self._done = True
-            self._sink = None
-            self._connection.pool.discard(self._connection)
-
-    # --- fed by the connection ---
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _feed(self, data: bytes) -> None:
-        """Body bytes for ``read_chunk``; past the high-water mark the engine's socket is
-        paused until they are read."""
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > _HIGH_WATER:
-            self._connection.pause_reading()
-        self._wake()
-
-    def _headers_done(self, status: int, headers: dict[str, str], keep_alive: bool) -> None:
-        self.status, self.headers, self._keep_alive = status, headers, keep_alive
-        self._framed = "content-length" in headers or "transfer-encoding" in headers
-        self._wake()
-
-    def _finish(self) -> None:
-        self.complete = True
-        self._wake()
-
-    def _fail(self, error: HTTPError) -> None:
-        if not self.complete and self._error is None:
-            self._error = error
-            self._wake()
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(ReadTimeout("the engine stayed silent past the read timeout"))
-
-
 class Connection(asyncio.Protocol):
     """One connection to an engine, one request at a time."""
 
@@ -199,8 +77,16 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
-        self._header_list: list[tuple[bytes, bytes]] = []
         self._pushed: list[bytes] = []  # body pieces of this read, for the response's sink
+        # the message being parsed (reset as each begins)
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._field_count = 0  # its fields, or its trailers once its head is done
+        self._head_size = 0  # bytes of its head (or of its trailers)
+        self._in_head = True
+        self._interim = False  # a 1xx, skipped
+        self._dry = 0  # bytes read in a row with no body byte among them
+        self._poll: select.poll | None = None  # the socket, to look at it while idle
+        self._pollable = hasattr(select, "poll")  # false: the OS gives no way (Windows)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -210,16 +96,31 @@ class Connection(asyncio.Protocol):
         if response is None or response.complete:  # nothing was asked: unusable
             self.close()
             return
+        buffered = response._buffered
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            if self._pushed:
-                self._offer_pushed(response)
-            response._fail(MalformedResponse(f"malformed HTTP answer ({exc})"))
-            self.close()
+            cause = exc.__context__  # what a callback of ours raised
+            error = cause if isinstance(cause, HTTPError) else None
+            self._refuse(response, error or MalformedResponse(f"malformed HTTP answer ({exc})"))
             return
         if self._pushed:
             self._offer_pushed(response)
+            self._dry = 0
+        elif response._buffered != buffered:
+            self._dry = 0
+        else:  # no body in this read: a head, chunk framing or trailers
+            self._dry += len(data)
+            if self._dry > MAX_HEAD and not response.complete:
+                self._refuse(response, MalformedResponse(f"a head over {MAX_HEAD} bytes"))
+
+    def _refuse(self, response: Response, error: HTTPError) -> None:
+        """The answer is unusable from here: what came of its body is handed on, then the
+        error; the connection is closed (nothing after it can be trusted)."""
+        if self._pushed:
+            self._offer_pushed(response)
+        response._fail(error)
+        self.close()
 
     def _offer_pushed(self, response: Response) -> None:
         """The body pieces this read brought, joined, to the sink: one write for the tokens
@@ -261,24 +162,85 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def send(self, data: bytes, response: Response) -> None:
-        assert self.transport is not None
+        if self.transport is None:
+            raise ConnectionBroken("the connection has no transport")
         self.response = response
+        self._dry = 0
         self.transport.write(data)
+
+    def quiet(self) -> bool:
+        """An idle connection is fit for a next request: open, and (where the OS lets us
+        look) nothing has arrived on its socket, neither bytes nor the engine's close,
+        that the loop has not read yet. One poll(2) of the socket, kept registered."""
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            return False
+        poll = self._poll
+        if poll is None:
+            if not self._pollable:
+                return True
+            sock = transport.get_extra_info("socket")
+            fileno = sock.fileno() if sock is not None else -1
+            if fileno < 0:  # no socket to look at (a test's transport)
+                self._pollable = False
+                return True
+            poll = self._poll = select.poll()
+            poll.register(fileno, select.POLLIN)
+        return not poll.poll(0)  # readable while idle: bytes, an end or an error
 
     # --- httptools callbacks ---
 
+    def on_message_begin(self) -> None:
+        response = self.response
+        if response is None or response.complete:  # bytes after the answer
+            raise MalformedResponse("bytes after the end of the answer")
+        self._fields = []
+        self._field_count = self._head_size = 0
+        self._in_head = True
+        self._interim = False
+
+    def on_status(self, reason: bytes) -> None:
+        self._head_size += len(reason)
+        if self._head_size > MAX_LINE:
+            raise MalformedResponse(f"a status line over {MAX_LINE} bytes")
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_list.append((name, value))
+        size = len(name) + len(value) + 4  # ": " and CRLF
+        self._head_size += size
+        self._field_count += 1
+        if size > MAX_LINE:
+            raise MalformedResponse(f"a header line over {MAX_LINE} bytes")
+        if self._field_count > MAX_FIELDS:
+            raise MalformedResponse(f"over {MAX_FIELDS} header fields")
+        if self._head_size > MAX_HEAD:
+            raise MalformedResponse(f"a head over {MAX_HEAD} bytes")
+        if self._in_head:  # else a trailer: counted, never kept
+            self._fields.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self.response is None or self.response.status:  # a second answer to one request
-            self.response = None
-            self.close()
-            return
-        headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in self._header_list}
-        self._header_list.clear()
+        response = self.response
+        if response is None:  # data_received never feeds without one
+            raise MalformedResponse("an answer to no request")
+        fields = self._fields
+        self._fields = []
+        self._field_count = self._head_size = 0  # the trailers' own budget
+        self._in_head = False
         parser = self._parser
-        self.response._headers_done(parser.get_status_code(), headers, parser.should_keep_alive())
+        status = parser.get_status_code()
+        if 100 <= status < 200:
+            self._interim_head(status, fields)
+        elif 200 <= status < 600:
+            response._headers_done(status, fields, parser.should_keep_alive())
+        else:
+            raise MalformedResponse(f"status {status:03d} is not an HTTP status")
+
+    def _interim_head(self, status: int, fields: list[tuple[bytes, bytes]]) -> None:
+        """A 1xx: skipped (the final answer follows), unless it cannot be one."""
+        if status == 101:
+            raise MalformedResponse("101 Switching Protocols, but pdproxy never asks to upgrade")
+        if any(name.lower() in _FRAMING for name, _ in fields):
+            raise MalformedResponse(f"an interim {status} answer with a body")
+        self._interim = True
 
     def on_body(self, body: bytes) -> None:
         response = self.response
@@ -288,12 +250,15 @@ class Connection(asyncio.Protocol):
                 return
             response._chunks.append(body)
             response._buffered += len(body)
-            if response._buffered > _HIGH_WATER:
+            if response._buffered > HIGH_WATER:
                 self.pause_reading()
             waiter = response._waiter
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         if self.response is not None:
             self.response._finish()

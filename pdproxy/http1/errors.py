@@ -32,4 +32,15 @@ class ConnectionBroken(HTTPError):
 
 
 class MalformedResponse(HTTPError):
-    """The engine's bytes are not an HTTP/1.1 answer."""
+    """The engine's bytes are not an HTTP/1.1 answer pdproxy can use: unparsable, a status
+    outside 100-599, ``101`` (never asked for), a head past its caps, a body where none may
+    be, an unknown transfer or content coding. The message never quotes the engine's
+    bytes."""
+
+
+class ResponseTooLarge(HTTPError):
+    """A buffered body passed the pool's ``max_body`` bytes (decoded, for a coded one)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the answer's body is over {limit} bytes")
+        self.limit = limit

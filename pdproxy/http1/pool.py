@@ -1,17 +1,23 @@
 """``Pool``: keep-alive connections per engine, their expiry and limits, and sending a
-request on one."""
+request on one.
+
+A request waiting for a connection (``limit`` or ``limit_per_host`` reached) waits in its
+host's queue; a freed slot wakes the longest-waiting request that can take it, so a host at
+its own cap never swallows the turn of another host's request."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import ssl
 import sys
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 
-from pdproxy.http1.connection import Connection, Response, Target
+from pdproxy.http1.connection import Connection, Target
 from pdproxy.http1.errors import ConnectFailed, ConnectTimeout, ReadTimeout
+from pdproxy.http1.response import Response
 
 if sys.version_info >= (3, 11):
     # Not wait_for: in 3.11 it swallows a cancellation that lands as the connect completes.
@@ -20,12 +26,16 @@ else:  # pragma: no cover - aiohttp depends on async-timeout below 3.11
     from async_timeout import timeout as _timeout
 
 _URL_CACHE = 1024
+MAX_BODY = 256 * 1024 * 1024  # the default cap on a buffered body (PoolLimits')
+_Key = tuple[bool, str, int]
+_Turn = tuple[int, asyncio.Future[None]]  # (its place in the order of arrival, its wake-up)
 
 
 class Pool:
     """Keep-alive connections per (scheme, host, port), reused most recent first, idle at
     most ``keepalive_expiry`` seconds; at most ``limit`` in use (``limit_per_host`` per
-    host; 0: no limit), further requests waiting their turn."""
+    host; 0: no limit), further requests waiting their turn. A body read whole
+    (``Response.read_all``) is refused past ``max_body`` bytes."""
 
     def __init__(
         self,
@@ -35,6 +45,7 @@ class Pool:
         keepalive_expiry: float,
         connect_timeout: float | None,
         ssl_context: ssl.SSLContext | None,
+        max_body: int = MAX_BODY,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.loop = asyncio.get_running_loop()
@@ -43,12 +54,14 @@ class Pool:
         self._expiry = keepalive_expiry
         self._connect_timeout = connect_timeout
         self._ssl = ssl_context
+        self._max_body = max_body
         self._clock = clock
-        self._idle: dict[tuple[bool, str, int], deque[Connection]] = defaultdict(deque)
+        self._idle: dict[_Key, deque[Connection]] = defaultdict(deque)
         self._in_use: set[Connection] = set()
-        self._per_host: dict[tuple[bool, str, int], int] = defaultdict(int)
+        self._per_host: dict[_Key, int] = defaultdict(int)
         self._connecting = 0
-        self._queue: deque[asyncio.Future[None]] = deque()
+        self._waiting: dict[_Key, deque[_Turn]] = {}  # per host, in order of arrival
+        self._arrivals = itertools.count()
         self._targets: dict[str, Target] = {}
 
     def in_use(self) -> int:
@@ -75,7 +88,7 @@ class Pool:
             headers_by = deadline if headers_by is None else min(headers_by, deadline)
         head = _head(method, target, headers, len(body))
         connection = await self._acquire(target, headers_by)
-        response = Response(connection, deadline)
+        response = Response(connection, deadline, post=method == "POST", limit=self._max_body)
         try:
             connection.send(head + body if body else head, response)
             await response._wait_headers(headers_by)
@@ -94,25 +107,32 @@ class Pool:
 
     async def _acquire(self, target: Target, by: float | None) -> Connection:
         key = target.key
+        arrival: int | None = None
         while True:
             idle = self._idle.get(key)
             now = self._clock()
             while idle:
                 connection = idle.pop()
-                if connection.closed or now - connection.idle_since > self._expiry:
-                    connection.close()
+                if now - connection.idle_since > self._expiry or not connection.quiet():
+                    connection.close()  # expired, closed, or the engine wrote or hung up
                     continue
                 self._take(connection)
                 return connection
             if self._has_room(key):
                 break
-            await self._wait_turn(by)
+            arrival = await self._wait_turn(key, by, arrival)
         return await self._connect(target, by)
 
-    async def _wait_turn(self, by: float | None) -> None:
-        """Wait for a connection to be given back (every limit reached)."""
+    async def _wait_turn(self, key: _Key, by: float | None, arrival: int | None) -> int:
+        """Wait in ``key``'s queue until a slot it can take is freed; returns its place in
+        the order of arrival, kept (at the head of its queue) if it must wait again."""
         turn = self.loop.create_future()
-        self._queue.append(turn)
+        queue = self._waiting.setdefault(key, deque())
+        if arrival is None:
+            arrival = next(self._arrivals)
+            queue.append(entry := (arrival, turn))
+        else:  # woken, but the slot was taken before it ran: first again
+            queue.appendleft(entry := (arrival, turn))
         timer = None if by is None else self.loop.call_at(by, _no_turn, turn)
         try:
             await turn
@@ -123,10 +143,19 @@ class Pool:
         finally:
             if timer is not None:
                 timer.cancel()
-            if turn in self._queue:
-                self._queue.remove(turn)
+            self._leave_queue(key, entry)
+        return arrival
 
-    def _has_room(self, key: tuple[bool, str, int]) -> bool:
+    def _leave_queue(self, key: _Key, entry: _Turn) -> None:
+        queue = self._waiting.get(key)
+        if queue is None:
+            return
+        if entry in queue:
+            queue.remove(entry)
+        if not queue:
+            del self._waiting[key]
+
+    def _has_room(self, key: _Key) -> bool:
         used = len(self._in_use) + self._connecting
         if self._limit and used >= self._limit:
             return False
@@ -172,7 +201,7 @@ class Pool:
             self._ssl = ssl.create_default_context()  # the system's CAs, names checked
         return self._ssl
 
-    def _uncount(self, key: tuple[bool, str, int]) -> None:
+    def _uncount(self, key: _Key) -> None:
         self._connecting -= 1
         self._per_host[key] -= 1
         self._next_turn()
@@ -190,11 +219,18 @@ class Pool:
         return True
 
     def _next_turn(self) -> None:
-        while self._queue:
-            turn = self._queue.popleft()
-            if not turn.done():
-                turn.set_result(None)
-                return
+        """Wake the longest-waiting request that can go now: an idle connection to its
+        host, or room under both caps (one host at its own cap holds only its own)."""
+        first: deque[_Turn] | None = None
+        for key, queue in self._waiting.items():
+            while queue and queue[0][1].done():  # timed out or cancelled: leaving
+                queue.popleft()
+            if not queue or (first is not None and queue[0][0] > first[0][0]):
+                continue
+            if self._idle.get(key) or self._has_room(key):
+                first = queue
+        if first is not None:
+            first.popleft()[1].set_result(None)
 
     def release(self, connection: Connection) -> None:
         """A whole answer was read: the connection waits for the next request."""
