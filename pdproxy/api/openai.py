@@ -370,7 +370,15 @@ def _parse_body(raw: bytes, kind: ApiKind) -> Mapping[str, Any]:
 
 
 def _headers(scope: Scope) -> dict[str, str]:
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    """The request's headers by (lower-case) name; a repeated one's values joined with ", "
+    as RFC 9110 §5.3 combines them, so a second ``Via`` line cannot hide pdproxy's hop."""
+    headers: dict[str, str] = {}
+    for k, v in scope["headers"]:
+        name, value = k.decode("latin-1"), v.decode("latin-1")
+        if name in headers:
+            value = f"{headers[name]}, {value}"
+        headers[name] = value
+    return headers
 
 
 def _outcome(error: ProxyError) -> str:

@@ -23,6 +23,7 @@ import msgpack
 import orjson
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
@@ -199,6 +200,14 @@ async def test_own_hop_is_refused_508_before_any_leg():
         async with (
             aiohttp.ClientSession() as session,
             session.post(proxy.url + "/tokenize", json={"prompt": "x"}, headers={"Via": own}) as r,
+        ):
+            assert r.status == 508
+        # Two Via lines, ours in the first: a later line does not hide it (RFC 9110 §5.3).
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+        two_lines = CIMultiDict([("Via", own), ("Via", "1.0 lb")])
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(proxy.url + "/v1/completions", json=body, headers=two_lines) as r,
         ):
             assert r.status == 508
         # no leg was sent (the sims saw only pdproxy's health checks and load scrapes)
