@@ -1,0 +1,375 @@
+"""pdproxy's client-facing HTTP/1.1 protocol: uvicorn's httptools protocol, bounded.
+
+uvicorn's ``HttpToolsProtocol`` puts no bound on a request head (httptools builds a long
+header value by concatenation, quadratic in the number of reads), no deadline on a head
+before the first response or on a body, and no cap on connections. ``HardenedProtocol``
+adds them below ASGI, so a hostile client costs bounded memory, time and file descriptors
+before any of pdproxy's own work (keys, admission, routing) runs:
+
+- Head size: bytes are counted in ``data_received`` from the start of each head until its
+  headers complete. Past ``max_head_bytes`` (or ``max_headers`` fields) the client gets 431
+  and the connection closes. Of a read that crosses the bound only the bytes within it are
+  parsed first: a small head may end there, before a large body; if it does not, not one
+  byte past the bound is parsed.
+- Head deadline: from the connect, or from the end of the previous response, a head must be
+  complete within ``header_timeout``. Past it the connection closes, with a 408 if part of
+  a head came and silently if nothing did: a 408 on an idle keep-alive connection could
+  meet the client's next request and be taken for its answer.
+- Body deadline: a body that makes no progress for ``body_timeout`` closes the connection,
+  with a 408 if no response has started. Time while pdproxy itself is not reading does not
+  count: flow control paused reading, or a ``100 Continue`` is still owed.
+- Connections: past ``max_connections`` in this process, the oldest idle connection is
+  closed to make room. Idle means no request in progress: between requests, or still
+  sending its head. When every connection is busy, the new one may send one request:
+  ``/health`` and ``/ready`` are answered (an orchestrator must not take a full proxy for
+  a dead one), anything else gets 503 with Retry-After, and the connection closes. At most
+  ``OVER_CAP_WAITING`` such connections wait for their heads; past that the 503 comes at once.
+
+Refusals end gracefully: pdproxy writes the answer and ends its write side (FIN), then
+drops what the client still sends and closes the socket when the client closes its side
+or ``LINGER`` seconds later, so the client can read the answer before any reset (closing
+with unread input resets the connection, and a reset can cost the client the answer).
+Nothing more from that connection is parsed; what a refused head built is released at once.
+
+The request/response cycle stays uvicorn's ``RequestResponseCycle``: ``pdproxy.api.direct``
+checks its type. Per request the cost is a few attribute updates and one timer; per read
+of a head, one addition and one comparison; nothing per streamed chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+from typing import Any, ClassVar
+
+import httptools
+import orjson
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from pdproxy.config import ClientLimits
+from pdproxy.errors import (
+    BadRequest,
+    ClientTimeout,
+    HeadTooLarge,
+    ProxyError,
+    TooManyConnections,
+)
+
+logger = logging.getLogger(__name__)
+
+# A refused connection stays open this long after its answer, or until the client ends it.
+LINGER = 1.0
+UNLIMITED_FILES_CAP = 1 << 16  # the connection cap when the open-file limit is unlimited
+# Past the cap with every connection busy: these paths are still served, on at most
+# OVER_CAP_WAITING connections at once (each closed after its one request or its head's
+# deadline); a connection past that gets its 503 at once.
+PROBE_PATHS = (b"/health", b"/ready")
+OVER_CAP_WAITING = 32
+
+
+def connection_cap(limits: ClientLimits) -> int:
+    """``limits.max_connections``, or (0) half this process's soft open-file limit, so
+    upstream legs, probes and logs keep the other half."""
+    if limits.max_connections:
+        return limits.max_connections
+    try:
+        import resource
+    except ImportError:  # not a Unix: no limit to read
+        return UNLIMITED_FILES_CAP
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return UNLIMITED_FILES_CAP
+    return max(1, soft // 2)
+
+
+def hardened_protocol(limits: ClientLimits) -> type[HardenedProtocol]:
+    """The protocol class uvicorn instantiates per connection (``uvicorn.Config(http=...)``),
+    carrying ``limits`` and the connection cap resolved in this process."""
+    cap = connection_cap(limits)
+
+    class Configured(HardenedProtocol):
+        client_limits = limits
+        max_connections = cap
+
+    return Configured
+
+
+def error_bytes(error: ProxyError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A whole HTTP/1.1 response carrying ``error`` as OpenAI-shaped JSON, ending the
+    connection (Retry-After: 1 on a 503)."""
+    body = orjson.dumps(error.to_dict())
+    phrase = http.HTTPStatus(error.status).phrase.encode()
+    lines = [b"HTTP/1.1 %d %b\r\n" % (error.status, phrase)]
+    lines += [b"%b: %b\r\n" % (name, value) for name, value in default_headers]
+    lines.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+    if error.status == 503:
+        lines.append(b"retry-after: 1\r\n")
+    lines += [b"connection: close\r\n\r\n", body]
+    return b"".join(lines)
+
+
+class HardenedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds of the module docstring."""
+
+    client_limits: ClassVar[ClientLimits] = ClientLimits()
+    max_connections: ClassVar[int] = UNLIMITED_FILES_CAP
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._in_head = True  # waiting for a head, or reading one: its bytes are counted
+        self._head_bytes = 0
+        self._body_pending = False  # headers complete, the message not yet
+        self._body_moved = False  # some body came since the body timer was armed
+        self._ended = False  # refused or timed out: nothing more is parsed
+        self._over_cap = False  # every connection was busy: a probe is served, else 503
+        self._too_many_headers = False
+        self._max_headers = self.client_limits.max_headers
+        self._idle_since = 0.0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+
+    # connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._idle_since = self.loop.time()
+        if len(self.connections) > self.max_connections:
+            self._make_room()
+            if self._ended:
+                return
+        self._head_timer = self.loop.call_later(
+            self.client_limits.header_timeout, self._head_timed_out
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._cancel_timers()
+
+    def _make_room(self) -> None:
+        """This connection is past the cap unless some closing or refused one is counted:
+        close the oldest idle one; with none, this one is over the cap (a probe, or 503)."""
+        live, over, oldest = 0, 0, None
+        for other in self.connections:
+            if not isinstance(other, HardenedProtocol):
+                live += 1
+            elif other._over_cap:
+                over += 1
+            elif not other._ended and not other.transport.is_closing():
+                live += 1
+                older = oldest is None or other._idle_since < oldest._idle_since
+                if other is not self and older and other._idle():
+                    oldest = other
+        if live <= self.max_connections:
+            return
+        if oldest is not None:
+            logger.debug("closing an idle client connection to make room for a new one")
+            oldest._close()
+        elif over < OVER_CAP_WAITING:
+            self._over_cap = True
+        else:
+            self._refuse_past_cap()
+
+    def _refuse_past_cap(self) -> None:
+        logger.warning(
+            "all %d client connections are busy: a new one gets 503 (--max-client-connections)",
+            self.max_connections,
+        )
+        self._end(TooManyConnections("every client connection is busy; retry shortly"))
+
+    def _idle(self) -> bool:
+        """No request in progress: between two, or a head still coming."""
+        cycle = self.cycle
+        return (cycle is None or cycle.response_complete) and not self.pipeline
+
+    # reads
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_head:
+            super().data_received(data)
+        elif self._ended:  # answered: what still comes is dropped
+            return
+        else:
+            room = self.client_limits.max_head_bytes - self._head_bytes
+            self._head_bytes += len(data)
+            if len(data) > room:
+                self._read_past_bound(data, room)
+                return
+            super().data_received(data)
+            if self._too_many_headers and not self._ended:
+                self._refuse_head()  # at once: the rest of this head will not be read
+                return
+        if self._body_pending and self._body_timer is None:
+            self._arm_body_timer()
+
+    def _read_past_bound(self, data: bytes, room: int) -> None:
+        """This read crosses the head bound: only the ``room`` bytes left are parsed first.
+        The head ends within them (a small head before a large body: the rest is read as
+        usual), or it is past the bound and refused, without parsing a byte more."""
+        super().data_received(data[:room])
+        if self._ended or self.transport.is_closing():
+            return
+        if self._in_head and self._head_bytes:  # the same head (a new one starts at 0)
+            self._refuse_head()
+            return
+        self.data_received(data[room:])
+
+    def on_headers_complete(self) -> None:
+        if self._ended:
+            return
+        self._in_head = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if self._too_many_headers:
+            self._refuse_head()
+            return
+        self._body_pending = True
+        if self._over_cap:
+            self._probe_or_refuse()
+            return
+        super().on_headers_complete()
+
+    def _probe_or_refuse(self) -> None:
+        """Past the cap only a probe is served (an orchestrator must not read a full
+        proxy as a dead one), then the connection closes."""
+        if self.url.partition(b"?")[0] not in PROBE_PATHS:
+            self._refuse_past_cap()
+            return
+        super().on_headers_complete()
+        self.cycle.keep_alive = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # Past the count a field costs only this call (an endless run of small headers
+        # would else build a list of them up to the byte bound).
+        if len(self.headers) < self._max_headers:
+            super().on_header(name, value)
+        else:
+            self._too_many_headers = True
+
+    def on_body(self, body: bytes) -> None:
+        if self._ended:
+            return
+        self._body_moved = True
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._ended:
+            return
+        super().on_message_complete()
+        self._in_head, self._head_bytes, self._body_pending = True, 0, False
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a head httptools cannot parse, as JSON (its own is text)."""
+        if self._ended:  # the connection already has its answer
+            return
+        if self._busy():
+            self._close()
+        else:
+            self._end(BadRequest("invalid HTTP request"))
+
+    # responses and deadlines
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._ended or self.transport.is_closing():
+            return
+        self._idle_since = self.loop.time()
+        if self._in_head:  # the next head is not whole yet: its deadline starts now
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(
+                self.client_limits.header_timeout, self._head_timed_out
+            )
+
+    def _busy(self) -> bool:
+        return not self._idle()
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._in_head or self._ended or self.transport.is_closing() or self._busy():
+            return  # a busy connection's head deadline is re-armed when its response ends
+        if self._head_bytes:
+            logger.debug("a client's request head took too long: 408")
+            self._end(ClientTimeout("request head not received in time"))
+        else:
+            self._close()
+
+    def _arm_body_timer(self) -> None:
+        self._body_moved = False
+        self._body_timer = self.loop.call_later(
+            self.client_limits.body_timeout, self._body_timed_out
+        )
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if not self._body_pending or self._ended or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if self._body_moved or self.flow.read_paused or cycle.waiting_for_100_continue:
+            self._arm_body_timer()  # the client is sending, or pdproxy is not reading
+            return
+        logger.debug("a client's request body stalled: closing its connection")
+        if cycle.response_started:
+            self._close()
+        else:
+            self._end(ClientTimeout("request body stalled"))
+
+    # refusals
+
+    def _refuse_head(self) -> None:
+        logger.debug("a client's request head is past the bounds: 431")
+        self._release_head()
+        if self._busy():  # an earlier response is still being written: no answer fits
+            self._close()
+            return
+        limits = self.client_limits
+        self._end(
+            HeadTooLarge(
+                f"request head over {limits.max_head_bytes} bytes or {limits.max_headers} fields"
+            )
+        )
+
+    def _end(self, error: ProxyError) -> None:
+        """Answer ``error`` and close gracefully (module docstring); nothing more is parsed."""
+        self._stop()
+        transport = self.transport
+        transport.write(error_bytes(error, self.server_state.default_headers))
+        if not transport.can_write_eof():  # TLS: its close sends close_notify after the answer
+            transport.close()
+            return
+        transport.write_eof()
+        self.flow.resume_reading()  # to see the client's own end, or what it still sends
+        self.loop.call_later(LINGER, transport.close)
+
+    def _close(self) -> None:
+        """Close without an answer; nothing more is read."""
+        self._stop()
+        self.transport.close()
+
+    def _stop(self) -> None:
+        self._ended, self._in_head, self._body_pending = True, True, False
+        self._cancel_timers()
+
+    def _release_head(self) -> None:
+        """What a refused head (never the app's) built goes now, not when the socket closes."""
+        self.headers.clear()
+        self.url = b""
+        self.parser = httptools.HttpRequestParser(self)
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
