@@ -18,7 +18,7 @@ It reads uvicorn's private ``RequestResponseCycle`` (``CYCLE_FIELDS``, and its f
 control's ``write_paused``), looked up at each stream's start, never imported: a uvicorn
 that moves or reshapes it costs the fast path, never the start or a stream (the server logs
 ``fast_path_problem`` once at start). pyproject bounds uvicorn to the versions tested, and
-tests/hostile/test_direct_relay_edges.py fails when the installed one stops offering it.
+tests/hostile/test_direct_relay_uvicorn.py fails when the installed one stops offering it.
 """
 
 from __future__ import annotations
