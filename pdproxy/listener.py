@@ -25,6 +25,10 @@ before any of pdproxy's own work (keys, admission, routing) runs:
   a dead one), anything else gets 503 with Retry-After, and the connection closes. At most
   ``OVER_CAP_WAITING`` such connections wait for their heads; past that the 503 comes at once.
 
+Deadlines are checked by one timer per connection, ticking only while a head or a body is
+awaited (every ``TICK`` seconds, or a quarter of the shorter timeout): a deadline is met
+within one tick of its time, and no timer is set per request.
+
 Refusals end gracefully: pdproxy writes the answer and ends its write side (FIN), then
 drops what the client still sends and closes the socket when the client closes its side
 or ``LINGER`` seconds later, so the client can read the answer before any reset (closing
@@ -32,8 +36,8 @@ with unread input resets the connection, and a reset can cost the client the ans
 Nothing more from that connection is parsed; what a refused head built is released at once.
 
 The request/response cycle stays uvicorn's ``RequestResponseCycle``: ``pdproxy.api.direct``
-checks its type. Per request the cost is a few attribute updates and one timer; per read
-of a head, one addition and one comparison; nothing per streamed chunk.
+checks its type. Per request the cost is a few attribute updates and a clock read; per
+read of a head, a few comparisons; nothing per header field or streamed chunk.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ logger = logging.getLogger(__name__)
 
 # A refused connection stays open this long after its answer, or until the client ends it.
 LINGER = 1.0
+# Deadlines are checked this often (a quarter of the shorter timeout if less), by one timer
+# per connection that runs only while a head or a body is awaited: no timer per request.
+TICK = 1.0
 UNLIMITED_FILES_CAP = 1 << 16  # the connection cap when the open-file limit is unlimited
 # Past the cap with every connection busy: these paths are still served, on at most
 # OVER_CAP_WAITING connections at once (each closed after its one request or its head's
@@ -93,6 +100,7 @@ def hardened_protocol(limits: ClientLimits) -> type[HardenedProtocol]:
     class Configured(HardenedProtocol):
         client_limits = limits
         max_connections = cap
+        tick = min(TICK, limits.header_timeout / 4, limits.body_timeout / 4)
 
     return Configured
 
@@ -116,6 +124,7 @@ class HardenedProtocol(HttpToolsProtocol):
 
     client_limits: ClassVar[ClientLimits] = ClientLimits()
     max_connections: ClassVar[int] = UNLIMITED_FILES_CAP
+    tick: ClassVar[float] = TICK
 
     def __init__(
         self,
@@ -128,31 +137,30 @@ class HardenedProtocol(HttpToolsProtocol):
         self._in_head = True  # waiting for a head, or reading one: its bytes are counted
         self._head_bytes = 0
         self._body_pending = False  # headers complete, the message not yet
-        self._body_moved = False  # some body came since the body timer was armed
+        self._body_moved = False  # some body came since the last tick
+        self._quiet_since = -1.0  # the body's last progress seen by a tick (-1: none yet)
         self._ended = False  # refused or timed out: nothing more is parsed
         self._over_cap = False  # every connection was busy: a probe is served, else 503
-        self._too_many_headers = False
         self._max_headers = self.client_limits.max_headers
-        self._idle_since = 0.0
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._body_timer: asyncio.TimerHandle | None = None
+        # The next head's deadline: set at the connect and at each response's end, so it
+        # also orders idle connections by age.
+        self._deadline = 0.0
+        self._ticker: asyncio.TimerHandle | None = None
 
     # connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._idle_since = self.loop.time()
+        self._deadline = self.loop.time() + self.client_limits.header_timeout
         if len(self.connections) > self.max_connections:
             self._make_room()
             if self._ended:
                 return
-        self._head_timer = self.loop.call_later(
-            self.client_limits.header_timeout, self._head_timed_out
-        )
+        self._arm_tick()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        self._cancel_timers()
+        self._cancel_tick()
 
     def _make_room(self) -> None:
         """This connection is past the cap unless some closing or refused one is counted:
@@ -165,7 +173,7 @@ class HardenedProtocol(HttpToolsProtocol):
                 over += 1
             elif not other._ended and not other.transport.is_closing():
                 live += 1
-                older = oldest is None or other._idle_since < oldest._idle_since
+                older = oldest is None or other._deadline < oldest._deadline
                 if other is not self and older and other._idle():
                     oldest = other
         if live <= self.max_connections:
@@ -204,11 +212,8 @@ class HardenedProtocol(HttpToolsProtocol):
                 self._read_past_bound(data, room)
                 return
             super().data_received(data)
-            if self._too_many_headers and not self._ended:
-                self._refuse_head()  # at once: the rest of this head will not be read
-                return
-        if self._body_pending and self._body_timer is None:
-            self._arm_body_timer()
+            if self._in_head and len(self.headers) > self._max_headers and not self._ended:
+                self._refuse_head()  # at once, not at the byte bound
 
     def _read_past_bound(self, data: bytes, room: int) -> None:
         """This read crosses the head bound: only the ``room`` bytes left are parsed first.
@@ -225,11 +230,8 @@ class HardenedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if self._ended:
             return
-        self._in_head = False
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-        if self._too_many_headers:
+        self._in_head, self._quiet_since = False, -1.0
+        if len(self.headers) > self._max_headers:
             self._refuse_head()
             return
         self._body_pending = True
@@ -247,14 +249,6 @@ class HardenedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         self.cycle.keep_alive = False
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # Past the count a field costs only this call (an endless run of small headers
-        # would else build a list of them up to the byte bound).
-        if len(self.headers) < self._max_headers:
-            super().on_header(name, value)
-        else:
-            self._too_many_headers = True
-
     def on_body(self, body: bytes) -> None:
         if self._ended:
             return
@@ -266,9 +260,6 @@ class HardenedProtocol(HttpToolsProtocol):
             return
         super().on_message_complete()
         self._in_head, self._head_bytes, self._body_pending = True, 0, False
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a head httptools cannot parse, as JSON (its own is text)."""
@@ -279,52 +270,70 @@ class HardenedProtocol(HttpToolsProtocol):
         else:
             self._end(BadRequest("invalid HTTP request"))
 
-    # responses and deadlines
+    # deadlines
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self._ended or self.transport.is_closing():
             return
-        self._idle_since = self.loop.time()
-        if self._in_head:  # the next head is not whole yet: its deadline starts now
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-            self._head_timer = self.loop.call_later(
-                self.client_limits.header_timeout, self._head_timed_out
-            )
+        self._deadline = self.loop.time() + self.client_limits.header_timeout
+        if self._ticker is None:  # it stops while a request is answered
+            self._arm_tick()
 
     def _busy(self) -> bool:
         return not self._idle()
 
+    def _arm_tick(self) -> None:
+        self._ticker = self.loop.call_later(self.tick, self._on_tick)
+
+    def _cancel_tick(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+
+    def _on_tick(self) -> None:
+        """Check the deadline of what is awaited; stop while a request is answered (the
+        response's end starts the ticks again), and once the connection is ended."""
+        self._ticker = None
+        if self._ended or self.transport.is_closing():
+            return
+        if self._in_head:
+            if self._busy():  # a head after a request still answered (pipelined)
+                return
+            if self.loop.time() >= self._deadline:
+                self._head_timed_out()
+                return
+        elif not self._body_pending or self._body_stalled():
+            return
+        self._arm_tick()
+
     def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if not self._in_head or self._ended or self.transport.is_closing() or self._busy():
-            return  # a busy connection's head deadline is re-armed when its response ends
         if self._head_bytes:
             logger.debug("a client's request head took too long: 408")
             self._end(ClientTimeout("request head not received in time"))
         else:
             self._close()
 
-    def _arm_body_timer(self) -> None:
-        self._body_moved = False
-        self._body_timer = self.loop.call_later(
-            self.client_limits.body_timeout, self._body_timed_out
-        )
-
-    def _body_timed_out(self) -> None:
-        self._body_timer = None
-        if not self._body_pending or self._ended or self.transport.is_closing():
-            return
-        cycle = self.cycle
-        if self._body_moved or self.flow.read_paused or cycle.waiting_for_100_continue:
-            self._arm_body_timer()  # the client is sending, or pdproxy is not reading
-            return
+    def _body_stalled(self) -> bool:
+        """True when the body made no progress for ``body_timeout`` (the connection is then
+        ended); time when pdproxy itself is not reading does not count."""
+        now, cycle = self.loop.time(), self.cycle
+        if (
+            self._body_moved
+            or self._quiet_since < 0
+            or self.flow.read_paused
+            or cycle.waiting_for_100_continue
+        ):
+            self._body_moved, self._quiet_since = False, now
+            return False
+        if now - self._quiet_since < self.client_limits.body_timeout:
+            return False
         logger.debug("a client's request body stalled: closing its connection")
         if cycle.response_started:
             self._close()
         else:
             self._end(ClientTimeout("request body stalled"))
+        return True
 
     # refusals
 
@@ -360,16 +369,10 @@ class HardenedProtocol(HttpToolsProtocol):
 
     def _stop(self) -> None:
         self._ended, self._in_head, self._body_pending = True, True, False
-        self._cancel_timers()
+        self._cancel_tick()
 
     def _release_head(self) -> None:
         """What a refused head (never the app's) built goes now, not when the socket closes."""
         self.headers.clear()
         self.url = b""
         self.parser = httptools.HttpRequestParser(self)
-
-    def _cancel_timers(self) -> None:
-        for timer in (self._head_timer, self._body_timer):
-            if timer is not None:
-                timer.cancel()
-        self._head_timer = self._body_timer = None
