@@ -497,3 +497,23 @@ async def _trickled_completion(proxy: Proxy) -> int:
     status, _, answer = _answer(raw)
     assert answer["choices"][0]["text"], answer
     return status
+
+
+async def test_every_worker_serves_through_the_bounds(tmp_path):
+    """--workers: each serving process builds its listener with the same function, limits
+    and protocol (pdproxy.server.uvicorn_config); the kernel spreads connections over them
+    (20 connections all on one of two workers: one chance in half a million)."""
+    flags = ["--workers", "2", "--max-request-head-bytes", "4096"]
+    async with pdproxy(tmp_path, *flags) as proxy:
+        pids: set[int] = set()
+        for _ in range(200):  # until both workers listen
+            pids.add(orjson.loads(await _get(proxy, "/status"))["worker"]["pid"])
+            if len(pids) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(pids) == 2
+        for _ in range(20):
+            refused = await flood_head(
+                proxy.port, b"GET /status HTTP/1.1\r\nHost: p\r\nX-Big: ", b"v" * 1024, 5
+            )
+            _refusal(refused, 431, "RequestHeaderFieldsTooLargeError")
