@@ -89,8 +89,8 @@ CLIENTS: tuple[NumberFlag, ...] = (
         ("--max-client-connections",),
         int,
         _C.max_connections,
-        "Client connections per process (0: half the open-file limit); past it the oldest idle"
-        " one is closed, or the new one gets 503.",
+        "Client connections per process (0: half the open-file limit); past it the longest"
+        " idle one is closed, or the new one gets 503.",
     ),
 )
 UPSTREAM: tuple[NumberFlag, ...] = (

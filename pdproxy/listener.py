@@ -1,42 +1,36 @@
 """pdproxy's client-facing HTTP/1.1 protocol: uvicorn's httptools protocol, bounded.
 
-uvicorn's ``HttpToolsProtocol`` puts no bound on a request head (httptools builds a long
+uvicorn's ``HttpToolsProtocol`` has no bound on a request head (httptools builds a long
 header value by concatenation, quadratic in the number of reads), no deadline on a head
 before the first response or on a body, and no cap on connections. ``HardenedProtocol``
-adds them below ASGI, so a hostile client costs bounded memory, time and file descriptors
-before any of pdproxy's own work (keys, admission, routing) runs:
+adds them below ASGI, before any of pdproxy's own work (keys, admission, routing):
 
 - Head size: bytes are counted in ``data_received`` from the start of each head until its
-  headers complete. Past ``max_head_bytes`` (or ``max_headers`` fields) the client gets 431
-  and the connection closes. Of a read that crosses the bound only the bytes within it are
-  parsed first: a small head may end there, before a large body; if it does not, not one
-  byte past the bound is parsed.
-- Head deadline: from the connect, or from the end of the previous response, a head must be
-  complete within ``header_timeout``. Past it the connection closes, with a 408 if part of
-  a head came and silently if nothing did: a 408 on an idle keep-alive connection could
-  meet the client's next request and be taken for its answer.
-- Body deadline: a body that makes no progress for ``body_timeout`` closes the connection,
-  with a 408 if no response has started. Time while pdproxy itself is not reading does not
-  count: flow control paused reading, or a ``100 Continue`` is still owed.
-- Connections: past ``max_connections`` in this process, the oldest idle connection is
-  closed to make room. Idle means no request in progress: between requests, or still
-  sending its head. When every connection is busy, the new one may send one request:
+  headers complete; past ``max_head_bytes`` (or ``max_headers`` fields) the client gets
+  431. Of a read that crosses the bound only the bytes within it are parsed first: a small
+  head may end there, before a large body; if not, no byte past the bound is parsed.
+- Head deadline: a head must be whole ``header_timeout`` after the connect or the previous
+  response's end; else 408 if part of it came, a silent close if nothing did (a 408 on an
+  idle keep-alive connection could be read as the answer to the client's next request).
+- Body deadline: a body with no progress for ``body_timeout`` ends the connection (408 if
+  unanswered); time when pdproxy is not reading (flow control, a ``100 Continue`` owed)
+  does not count.
+- Connections: past ``max_connections`` in this process a spare connection is closed to
+  make room, the one that waited longest: idle ones first (between requests, or a head
+  still coming), then stalled bodies. With none spare, the new one may send one request:
   ``/health`` and ``/ready`` are answered (an orchestrator must not take a full proxy for
-  a dead one), anything else gets 503 with Retry-After, and the connection closes. At most
-  ``OVER_CAP_WAITING`` such connections wait for their heads; past that the 503 comes at once.
+  a dead one), anything else gets 503 with Retry-After; of such connections at most
+  ``OVER_CAP_WAITING`` wait for their request, the oldest gets its 503 past that.
 
-Deadlines are checked by one timer per connection, ticking only while a head or a body is
-awaited (every ``TICK`` seconds, or a quarter of the shorter timeout): a deadline is met
-within one tick of its time, and no timer is set per request.
+One timer per connection checks the deadlines, ticking only while a head or a body is
+awaited (``TICK``, or a quarter of the shorter timeout): a deadline is met within a tick.
 
-Refusals end gracefully: pdproxy writes the answer and ends its write side (FIN), then
-drops what the client still sends and closes the socket when the client closes its side
-or ``LINGER`` seconds later, so the client can read the answer before any reset (closing
-with unread input resets the connection, and a reset can cost the client the answer).
-Nothing more from that connection is parsed; what a refused head built is released at once.
+Refusals end gracefully: the answer, the write side's end (FIN), then what the client
+still sends is dropped until it closes or ``LINGER`` seconds pass, so it reads the answer
+before any reset. What a refused head built is released at once.
 
-The request/response cycle stays uvicorn's ``RequestResponseCycle``: ``pdproxy.api.direct``
-checks its type. Per request the cost is a few attribute updates and a clock read; per
+The request/response cycle stays uvicorn's ``RequestResponseCycle`` (``pdproxy.api.direct``
+checks its type). Per request the cost is a few attribute updates and a clock read; per
 read of a head, a few comparisons; nothing per header field or streamed chunk.
 """
 
@@ -154,8 +148,6 @@ class HardenedProtocol(HttpToolsProtocol):
         self._deadline = self.loop.time() + self.client_limits.header_timeout
         if len(self.connections) > self.max_connections:
             self._make_room()
-            if self._ended:
-                return
         self._arm_tick()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -163,28 +155,45 @@ class HardenedProtocol(HttpToolsProtocol):
         self._cancel_tick()
 
     def _make_room(self) -> None:
-        """This connection is past the cap unless some closing or refused one is counted:
-        close the oldest idle one; with none, this one is over the cap (a probe, or 503)."""
-        live, over, oldest = 0, 0, None
+        """This connection is past the cap unless closing or refused ones were counted.
+        Close the spare connection that waited longest (idle first, then a stalled body);
+        with none, this one is over the cap (a probe is served, anything else gets 503),
+        and past ``OVER_CAP_WAITING`` such connections the oldest of them gets its 503."""
+        live, waiting, victim, best = 1, [], None, (0, 0.0)
         for other in self.connections:
             if not isinstance(other, HardenedProtocol):
                 live += 1
+            elif other is self or other._ended or other.transport.is_closing():
+                continue
             elif other._over_cap:
-                over += 1
-            elif not other._ended and not other.transport.is_closing():
+                waiting.append(other)
+            else:
                 live += 1
-                older = oldest is None or other._deadline < oldest._deadline
-                if other is not self and older and other._idle():
-                    oldest = other
+                rank = (other._spare(), -other._deadline)
+                if rank[0] and rank > best:
+                    victim, best = other, rank
         if live <= self.max_connections:
             return
-        if oldest is not None:
-            logger.debug("closing an idle client connection to make room for a new one")
-            oldest._close()
-        elif over < OVER_CAP_WAITING:
-            self._over_cap = True
+        if victim is not None:
+            logger.debug("closing a spare client connection to make room for a new one")
+            victim._evict()
+            return
+        self._over_cap = True
+        if len(waiting) >= OVER_CAP_WAITING:
+            min(waiting, key=lambda c: c._deadline)._refuse_past_cap()
+
+    def _spare(self) -> int:
+        """2: no request in progress (between two, or a head still coming); 1: its body
+        made no progress for a tick while pdproxy was reading it; 0: busy."""
+        if self._idle():
+            return 2
+        return 1 if self._body_pending and self._body_quiet(self.tick) else 0
+
+    def _evict(self) -> None:
+        if self._idle():
+            self._close()
         else:
-            self._refuse_past_cap()
+            self._end_stalled_body()
 
     def _refuse_past_cap(self) -> None:
         logger.warning(
@@ -315,25 +324,36 @@ class HardenedProtocol(HttpToolsProtocol):
             self._close()
 
     def _body_stalled(self) -> bool:
-        """True when the body made no progress for ``body_timeout`` (the connection is then
-        ended); time when pdproxy itself is not reading does not count."""
-        now, cycle = self.loop.time(), self.cycle
-        if (
-            self._body_moved
-            or self._quiet_since < 0
-            or self.flow.read_paused
-            or cycle.waiting_for_100_continue
-        ):
-            self._body_moved, self._quiet_since = False, now
+        """A tick in a body: True when it made no progress for ``body_timeout`` (the
+        connection is then ended); time when pdproxy itself is not reading does not count."""
+        if self._body_moved or self._quiet_since < 0 or not self._reading_body():
+            self._body_moved, self._quiet_since = False, self.loop.time()
             return False
-        if now - self._quiet_since < self.client_limits.body_timeout:
+        if self.loop.time() - self._quiet_since < self.client_limits.body_timeout:
             return False
+        self._end_stalled_body()
+        return True
+
+    def _reading_body(self) -> bool:
+        """pdproxy reads the body: else its silence is not the client's (flow control
+        paused reading, or a ``100 Continue`` is still owed)."""
+        return not self.flow.read_paused and not self.cycle.waiting_for_100_continue
+
+    def _body_quiet(self, seconds: float) -> bool:
+        """No body came for ``seconds`` or more (as the ticks saw it) while pdproxy read."""
+        return (
+            not self._body_moved
+            and self._quiet_since >= 0
+            and self._reading_body()
+            and self.loop.time() - self._quiet_since >= seconds
+        )
+
+    def _end_stalled_body(self) -> None:
         logger.debug("a client's request body stalled: closing its connection")
-        if cycle.response_started:
+        if self.cycle.response_started:
             self._close()
         else:
             self._end(ClientTimeout("request body stalled"))
-        return True
 
     # refusals
 

@@ -32,6 +32,7 @@ import pytest
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
+from pdproxy.listener import OVER_CAP_WAITING
 
 HOST = "127.0.0.1"
 MODEL = "sim-model"
@@ -410,6 +411,23 @@ async def test_past_the_cap_the_oldest_idle_connection_is_closed_first(tmp_path)
             w.close()
 
 
+async def test_past_the_cap_a_stalled_body_makes_room_when_none_is_idle(tmp_path):
+    """Stalled bodies hold their connections busy until --client-body-timeout-secs; at the
+    cap, one silent for a tick (0.5 s here) is ended with 408 to make room."""
+    flags = ["--max-client-connections", "4", "--client-body-timeout-secs", "30"]
+    async with pdproxy(tmp_path, *flags) as proxy:
+        reference = await completions(proxy, range(1))
+        stalled = [await _start_body(proxy, b'{"model": "sim-') for _ in range(4)]
+        await asyncio.sleep(1.5)
+        await own_answers(proxy, range(1), reference)
+        ends = await asyncio.gather(*(_closed_within(r, 0.3) for r, _ in stalled))
+        for _, writer in stalled:
+            writer.close()
+        answered = [end for end in ends if end is not None]
+        assert len(answered) == 1, ends  # as many as room was needed for
+        _refusal(answered[0], 408, "RequestTimeoutError")
+
+
 async def test_with_every_connection_busy_a_new_one_gets_503_but_probes_are_answered(tmp_path):
     async with pdproxy(tmp_path, "--max-client-connections", "8", decode_tps=20) as proxy:
         reference = await asyncio.gather(*(_stream(proxy, i) for i in range(8)))
@@ -429,10 +447,16 @@ async def test_with_every_connection_busy_a_new_one_gets_503_but_probes_are_answ
                 )
                 refused.append(await asyncio.wait_for(_read_to_end(reader), 5))
                 writer.close()
+            # silent newcomers: 32 may wait for their request, the others get 503 at once
+            silent = [await asyncio.open_connection(HOST, proxy.port) for _ in range(40)]
+            early = await asyncio.gather(*(_closed_within(r, 0.5) for r, _ in silent))
+            for _, writer in silent:
+                writer.close()
             texts = await asyncio.gather(*streams)
-        for raw in refused:
+        for raw in refused + [raw for raw in early if raw is not None]:
             headers = _refusal(raw, 503, "ServiceUnavailableError")
             assert headers[b"retry-after"] == b"1"
+        assert len([raw for raw in early if raw is not None]) >= 40 - OVER_CAP_WAITING
         # the streams were never disturbed: each its own tokens, to the end
         assert texts == reference
         assert len(proxy.decode.generation_requests()) == 16  # 8 references + 8 busy
