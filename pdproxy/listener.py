@@ -3,31 +3,22 @@
 uvicorn's ``HttpToolsProtocol`` has no bound on a request head (httptools builds a long
 header value by concatenation, quadratic in the number of reads), no deadline on a head
 before the first response or on a body, and no cap on connections. ``HardenedProtocol``
-adds them below ASGI, before any of pdproxy's own work (keys, admission, routing):
+adds them below ASGI, before any of pdproxy's own work (docs/security.md, "Client
+connections and request heads", is the contract):
 
 - Head size: bytes are counted in ``data_received`` from the start of each head until its
-  headers complete; past ``max_head_bytes`` (or ``max_headers`` fields) the client gets
-  431. Of a read that crosses the bound only the bytes within it are parsed first: a small
-  head may end there, before a large body; if not, no byte past the bound is parsed.
-- Head deadline: a head must be whole ``header_timeout`` after the connect or the previous
-  response's end; else 408 if part of it came, a silent close if nothing did (a 408 on an
-  idle keep-alive connection could be read as the answer to the client's next request).
-- Body deadline: a body with no progress for ``body_timeout`` ends the connection (408 if
-  unanswered); time when pdproxy is not reading (flow control, a ``100 Continue`` owed)
-  does not count.
-- Connections: past ``max_connections`` in this process a spare connection is closed to
-  make room, the one that waited longest: idle ones first (between requests, or a head
-  still coming), then stalled bodies. With none spare, the new one may send one request:
-  ``/health`` and ``/ready`` are answered (an orchestrator must not take a full proxy for
-  a dead one), anything else gets 503 with Retry-After; of such connections at most
-  ``OVER_CAP_WAITING`` wait for their request, the oldest gets its 503 past that.
-
-One timer per connection checks the deadlines, ticking only while a head or a body is
-awaited (``TICK``, or a quarter of the shorter timeout): a deadline is met within a tick.
-
-Refusals end gracefully: the answer, the write side's end (FIN), then what the client
-still sends is dropped until it closes or ``LINGER`` seconds pass, so it reads the answer
-before any reset. What a refused head built is released at once.
+  headers complete; past ``max_head_bytes`` (or ``max_headers`` fields) 431. Of a read that
+  crosses the bound only the bytes within it are parsed first (a small head may end there,
+  before a large body); no byte past the bound is ever parsed.
+- Deadlines: a head must be whole ``header_timeout`` after the connect or the previous
+  response (408 if part of it came, else a silent close); a body with no progress for
+  ``body_timeout`` while pdproxy reads it ends the connection (408 if unanswered). One
+  timer per connection checks them, ticking only while a head or body is awaited.
+- Connections: past ``max_connections`` the spare connection that waited longest (idle,
+  then a stalled body) is closed; with none spare the new one may send one request, a
+  probe (``PROBE_PATHS``) is answered and anything else gets 503 with Retry-After.
+- Refusals end gracefully (answer, FIN, input dropped until the client closes or
+  ``LINGER`` passes), so the client reads the answer before any reset.
 
 The request/response cycle stays uvicorn's ``RequestResponseCycle`` (``pdproxy.api.direct``
 checks its type). Per request the cost is a few attribute updates and a clock read; per
@@ -65,10 +56,10 @@ LINGER = 1.0
 TICK = 1.0
 UNLIMITED_FILES_CAP = 1 << 16  # the connection cap when the open-file limit is unlimited
 # Past the cap with every connection busy: these paths are still served, on at most
-# OVER_CAP_WAITING connections at once (each closed after its one request or its head's
-# deadline); a connection past that gets its 503 at once.
+# OVER_CAP_WAITING connections waiting for their request (past that the oldest gets 503).
 PROBE_PATHS = (b"/health", b"/ready")
 OVER_CAP_WAITING = 32
+WARN_EVERY = 10.0  # seconds between two warnings that the cap turned clients away
 
 
 def connection_cap(limits: ClientLimits) -> int:
@@ -81,9 +72,7 @@ def connection_cap(limits: ClientLimits) -> int:
     except ImportError:  # not a Unix: no limit to read
         return UNLIMITED_FILES_CAP
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return UNLIMITED_FILES_CAP
-    return max(1, soft // 2)
+    return UNLIMITED_FILES_CAP if soft == resource.RLIM_INFINITY else max(1, soft // 2)
 
 
 def hardened_protocol(limits: ClientLimits) -> type[HardenedProtocol]:
@@ -95,8 +84,24 @@ def hardened_protocol(limits: ClientLimits) -> type[HardenedProtocol]:
         client_limits = limits
         max_connections = cap
         tick = min(TICK, limits.header_timeout / 4, limits.body_timeout / 4)
+        refusals = Refusals()
 
     return Configured
+
+
+class Refusals:
+    """503s at the cap: one warning per ``WARN_EVERY`` seconds at most (one per server)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.warned_at = float("-inf")
+
+    def add(self, now: float, cap: int) -> None:
+        self.count += 1
+        if now - self.warned_at >= WARN_EVERY:
+            message = "%d client request(s) got 503: all %d client connections busy"
+            logger.warning(message + " (--max-client-connections)", self.count, cap)
+            self.count, self.warned_at = 0, now
 
 
 def error_bytes(error: ProxyError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -119,6 +124,7 @@ class HardenedProtocol(HttpToolsProtocol):
     client_limits: ClassVar[ClientLimits] = ClientLimits()
     max_connections: ClassVar[int] = UNLIMITED_FILES_CAP
     tick: ClassVar[float] = TICK
+    refusals: ClassVar[Refusals]  # one per server: hardened_protocol sets it
 
     def __init__(
         self,
@@ -155,10 +161,9 @@ class HardenedProtocol(HttpToolsProtocol):
         self._cancel_tick()
 
     def _make_room(self) -> None:
-        """This connection is past the cap unless closing or refused ones were counted.
-        Close the spare connection that waited longest (idle first, then a stalled body);
-        with none, this one is over the cap (a probe is served, anything else gets 503),
-        and past ``OVER_CAP_WAITING`` such connections the oldest of them gets its 503."""
+        """Past the cap (closing and refused connections not counted), close the spare one
+        that waited longest (idle first, then a stalled body); with none, this one is over
+        the cap, and past ``OVER_CAP_WAITING`` such ones the oldest of them gets 503."""
         live, waiting, victim, best = 1, [], None, (0, 0.0)
         for other in self.connections:
             if not isinstance(other, HardenedProtocol):
@@ -196,10 +201,7 @@ class HardenedProtocol(HttpToolsProtocol):
             self._end_stalled_body()
 
     def _refuse_past_cap(self) -> None:
-        logger.warning(
-            "all %d client connections are busy: a new one gets 503 (--max-client-connections)",
-            self.max_connections,
-        )
+        self.refusals.add(self.loop.time(), self.max_connections)
         self._end(TooManyConnections("every client connection is busy; retry shortly"))
 
     def _idle(self) -> bool:
@@ -225,9 +227,8 @@ class HardenedProtocol(HttpToolsProtocol):
                 self._refuse_head()  # at once, not at the byte bound
 
     def _read_past_bound(self, data: bytes, room: int) -> None:
-        """This read crosses the head bound: only the ``room`` bytes left are parsed first.
-        The head ends within them (a small head before a large body: the rest is read as
-        usual), or it is past the bound and refused, without parsing a byte more."""
+        """The head ends within the ``room`` bytes left (the rest is read as usual), or it
+        is refused without parsing a byte more."""
         super().data_received(data[:room])
         if self._ended or self.transport.is_closing():
             return
@@ -301,8 +302,7 @@ class HardenedProtocol(HttpToolsProtocol):
             self._ticker = None
 
     def _on_tick(self) -> None:
-        """Check the deadline of what is awaited; stop while a request is answered (the
-        response's end starts the ticks again), and once the connection is ended."""
+        """Check what is awaited; stop while a request is answered (its end re-arms)."""
         self._ticker = None
         if self._ended or self.transport.is_closing():
             return
@@ -335,8 +335,7 @@ class HardenedProtocol(HttpToolsProtocol):
         return True
 
     def _reading_body(self) -> bool:
-        """pdproxy reads the body: else its silence is not the client's (flow control
-        paused reading, or a ``100 Continue`` is still owed)."""
+        """Else the silence is pdproxy's: flow control paused reading, or 100 Continue owed."""
         return not self.flow.read_paused and not self.cycle.waiting_for_100_continue
 
     def _body_quiet(self, seconds: float) -> bool:
@@ -392,7 +391,7 @@ class HardenedProtocol(HttpToolsProtocol):
         self._cancel_tick()
 
     def _release_head(self) -> None:
-        """What a refused head (never the app's) built goes now, not when the socket closes."""
+        """A refused head (never the app's) is dropped now, not when the socket closes."""
         self.headers.clear()
         self.url = b""
         self.parser = httptools.HttpRequestParser(self)

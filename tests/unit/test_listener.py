@@ -3,6 +3,7 @@ validation (the protocol itself is attacked in tests/hostile/test_clients.py).""
 
 from __future__ import annotations
 
+import logging
 import resource
 
 import orjson
@@ -10,7 +11,14 @@ import pytest
 
 from pdproxy.config import ClientLimits, ProxyConfig
 from pdproxy.errors import ConfigError, HeadTooLarge, TooManyConnections
-from pdproxy.listener import HardenedProtocol, connection_cap, error_bytes, hardened_protocol
+from pdproxy.listener import (
+    WARN_EVERY,
+    HardenedProtocol,
+    Refusals,
+    connection_cap,
+    error_bytes,
+    hardened_protocol,
+)
 from pdproxy.server import uvicorn_config
 from pdproxy.types import EngineAddress
 
@@ -74,3 +82,18 @@ def test_a_refusal_is_one_whole_json_response_that_ends_the_connection():
 def test_limits_out_of_range_are_a_config_error(fields):
     with pytest.raises(ConfigError):
         ClientLimits(**fields)
+
+
+def test_turned_away_clients_are_warned_of_once_per_interval(caplog):
+    refusals = Refusals()
+    with caplog.at_level(logging.WARNING, logger="pdproxy.listener"):
+        for now in (100.0, 101.0, 102.0, 100.0 + WARN_EVERY):
+            refusals.add(now, cap=8)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "1 client request(s) got 503: all 8 client connections busy (--max-client-connections)",
+        "3 client request(s) got 503: all 8 client connections busy (--max-client-connections)",
+    ]
+    assert (
+        hardened_protocol(ClientLimits()).refusals is not hardened_protocol(ClientLimits()).refusals
+    )
