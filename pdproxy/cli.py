@@ -17,6 +17,7 @@ from typing import Any
 
 from pdproxy.config import (
     AdmissionConfig,
+    ClientLimits,
     EngineTLS,
     HealthConfig,
     ListenerTLS,
@@ -145,6 +146,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Pr
         dashboard=not args.no_dashboard,
         engine_api_key=_engine_key(args),
         admission=_admission(args),
+        clients=_clients(args),
         shutdown_timeout=args.shutdown_timeout_secs,
         timeouts=_timeouts(args),
         retry=_retry(args),
@@ -168,6 +170,17 @@ def _admission(a: argparse.Namespace) -> AdmissionConfig:
         max_concurrent=a.max_concurrent_requests,
         max_queued=a.max_queued_requests,
         queue_timeout=a.queue_timeout_secs,
+    )
+
+
+def _clients(a: argparse.Namespace) -> ClientLimits:
+    return ClientLimits(
+        max_head_bytes=a.max_request_head_bytes,
+        max_headers=a.max_request_headers,
+        header_timeout=a.client_header_timeout_secs,
+        body_timeout=a.client_body_timeout_secs,
+        keepalive_timeout=a.client_keepalive_timeout_secs,
+        max_connections=a.max_client_connections,
     )
 
 

@@ -237,6 +237,35 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ClientLimits:
+    """Bounds on client connections, enforced below ASGI (``pdproxy.listener``).
+
+    A request head past ``max_head_bytes`` or ``max_headers`` fields gets 431 and the
+    connection closes; a head not complete ``header_timeout`` seconds after the connect or
+    the previous response, or a body silent for ``body_timeout`` seconds, closes it.
+    ``keepalive_timeout`` is uvicorn's idle keep-alive. Past ``max_connections`` (0: half the
+    process's open-file limit) the oldest idle connection is closed, or the new one gets 503.
+    """
+
+    max_head_bytes: int = 64 * 1024
+    max_headers: int = 128
+    header_timeout: float = 30.0
+    body_timeout: float = 30.0
+    keepalive_timeout: int = 5
+    max_connections: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_head_bytes < 1024 or self.max_headers < 1:
+            raise ConfigError("--max-request-head-bytes >= 1024, --max-request-headers >= 1")
+        if self.header_timeout <= 0 or self.body_timeout <= 0:
+            raise ConfigError("--client-header/body-timeout-secs must be positive")
+        if self.keepalive_timeout < 1:
+            raise ConfigError("--client-keepalive-timeout-secs must be >= 1")
+        if self.max_connections < 0:
+            raise ConfigError("--max-client-connections must be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SharedRegistryConfig:
     """``--registry-backend``: where replicas share their registry. No ``etcd`` endpoints
     (the default) keeps it in-process, as a single replica's own."""
@@ -319,6 +348,7 @@ class ProxyConfig:
     dashboard: bool = True  # GET /dashboard and /dashboard/data (--no-dashboard: off)
     engine_api_key: str | None = field(default=None, repr=False)  # pdproxy's key to engines
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    clients: ClientLimits = field(default_factory=ClientLimits)
     shutdown_timeout: float = 30.0
     tls: ListenerTLS = field(default_factory=ListenerTLS)
     engine_tls: EngineTLS = field(default_factory=EngineTLS)

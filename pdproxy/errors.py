@@ -3,7 +3,10 @@
     ProxyError                      any failure the proxy reports to a client
     ├── BadRequest            400   the client's body or headers are unusable
     │   ├── UnsupportedMediaType 415
-    │   └── PayloadTooLarge   413
+    │   ├── PayloadTooLarge   413
+    │   └── HeadTooLarge      431   a request head past --max-request-head-bytes (pdproxy.listener)
+    ├── ClientTimeout         408   a request head or body not sent in time (pdproxy.listener)
+    ├── TooManyConnections    503   every client connection busy at the cap (Retry-After)
     ├── Unauthorized          401   no or a wrong client API key
     ├── Overloaded            429   past --max-concurrent-requests and its queue (Retry-After)
     ├── LoopDetected          508   the request carries this pdproxy's own hop (Via)
@@ -62,6 +65,21 @@ class UnsupportedMediaType(BadRequest):
 class PayloadTooLarge(BadRequest):
     status = 413
     error_type = "PayloadTooLargeError"
+
+
+class HeadTooLarge(BadRequest):
+    status = 431
+    error_type = "RequestHeaderFieldsTooLargeError"
+
+
+class ClientTimeout(ProxyError):
+    status = 408
+    error_type = "RequestTimeoutError"
+
+
+class TooManyConnections(ProxyError):
+    status = 503
+    error_type = "ServiceUnavailableError"
 
 
 class Unauthorized(ProxyError):

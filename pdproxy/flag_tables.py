@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pdproxy.config import (
     AdmissionConfig,
+    ClientLimits,
     HealthConfig,
     OutlierConfig,
     PoolLimits,
@@ -17,6 +18,7 @@ from pdproxy.scheduling_config import SchedulingConfig
 _T, _R, _H, _O, _A = Timeouts(), RetryConfig(), HealthConfig(), OutlierConfig(), AdmissionConfig()
 NumberFlag = tuple[tuple[str, ...], type, float, str]
 _S = SchedulingConfig()
+_C = ClientLimits()
 
 SCHEDULING: tuple[NumberFlag, ...] = (
     (
@@ -58,6 +60,40 @@ SCHEDULING: tuple[NumberFlag, ...] = (
     ),
 )
 
+CLIENTS: tuple[NumberFlag, ...] = (
+    (
+        ("--max-request-head-bytes",),
+        int,
+        _C.max_head_bytes,
+        "Largest request head (request line and headers); larger ones get 431.",
+    ),
+    (("--max-request-headers",), int, _C.max_headers, "Most header fields in a request (431)."),
+    (
+        ("--client-header-timeout-secs",),
+        float,
+        _C.header_timeout,
+        "A request head must arrive whole this long after the connect or the last response.",
+    ),
+    (
+        ("--client-body-timeout-secs",),
+        float,
+        _C.body_timeout,
+        "A request body silent this long closes its connection (408 if unanswered).",
+    ),
+    (
+        ("--client-keepalive-timeout-secs",),
+        int,
+        _C.keepalive_timeout,
+        "Idle keep-alive connections are closed after this (uvicorn's timeout_keep_alive).",
+    ),
+    (
+        ("--max-client-connections",),
+        int,
+        _C.max_connections,
+        "Client connections per process (0: half the open-file limit); past it the longest"
+        " idle one is closed, or the new one gets 503.",
+    ),
+)
 UPSTREAM: tuple[NumberFlag, ...] = (
     (
         ("--connect-timeout-secs",),

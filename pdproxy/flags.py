@@ -16,6 +16,7 @@ from pdproxy.config import (
     HealthConfig,
 )
 from pdproxy.flag_tables import (
+    CLIENTS,
     HEALTH,
     LIFECYCLE,
     RETRY,
@@ -130,6 +131,7 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
         default=32 * 1024 * 1024,
         help="Largest request body accepted; larger ones get 413.",
     )
+    _numbers(p, CLIENTS)
     p.add_argument(
         "--no-dashboard",
         action="store_true",

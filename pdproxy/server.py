@@ -22,7 +22,9 @@ from typing import Any
 
 import uvicorn
 
+from pdproxy.api.direct import fast_path_problem
 from pdproxy.config import ProxyConfig
+from pdproxy.listener import hardened_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -83,23 +85,31 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def uvicorn_config(app: Any, config: ProxyConfig) -> uvicorn.Config:
-    """uvicorn's settings for pdproxy's listener (the single process and every worker)."""
-    return uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        loop="uvloop" if sys.platform != "win32" else "asyncio",
-        http="httptools",
-        log_level=config.log_level,
-        access_log=False,  # pdproxy writes its own access line (pdproxy.access)
-        log_config=None,  # uvicorn's loggers propagate to pdproxy's handler and format
+def uvicorn_config(app: Any, config: ProxyConfig, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's settings for pdproxy's listener: the single process, every worker and the
+    tests' ``running_proxy`` (``overrides``: its address and loop) all serve through the
+    bounded protocol (``pdproxy.listener``) with ``config.clients``'s limits."""
+    clients = config.clients
+    problem = fast_path_problem()
+    if problem is not None:
+        logger.warning("streams go through ASGI, without the direct relay: %s", problem)
+    settings: dict[str, Any] = {
+        "host": config.host,
+        "port": config.port,
+        "loop": "uvloop" if sys.platform != "win32" else "asyncio",
+        "http": hardened_protocol(clients),
+        "ws": "none",  # pdproxy serves no WebSocket: an upgrade request stays plain HTTP
+        "timeout_keep_alive": clients.keepalive_timeout,
+        "log_level": config.log_level,
+        "access_log": False,  # pdproxy writes its own access line (pdproxy.access)
+        "log_config": None,  # uvicorn's loggers propagate to pdproxy's handler and format
         # pdproxy logs no client addresses, so X-Forwarded-For parsing is wasted work.
-        proxy_headers=False,
+        "proxy_headers": False,
         # The drain has already ended every request when uvicorn's own shutdown starts.
-        timeout_graceful_shutdown=5,
-        ssl_keyfile=config.tls.keyfile,
-        ssl_certfile=config.tls.certfile,
-        ssl_ca_certs=config.tls.ca_certs,
-        ssl_cert_reqs=config.tls.cert_reqs,
-    )
+        "timeout_graceful_shutdown": 5,
+        "ssl_keyfile": config.tls.keyfile,
+        "ssl_certfile": config.tls.certfile,
+        "ssl_ca_certs": config.tls.ca_certs,
+        "ssl_cert_reqs": config.tls.cert_reqs,
+    }
+    return uvicorn.Config(app, **{**settings, **overrides})

@@ -12,6 +12,7 @@ import uvicorn
 
 from pdproxy.api.app import create_app
 from pdproxy.config import ProxyConfig
+from pdproxy.server import uvicorn_config
 
 
 @dataclasses.dataclass
@@ -27,27 +28,15 @@ class RunningProxy:
 
 @contextlib.asynccontextmanager
 async def running_proxy(config: ProxyConfig, **app_options: Any) -> AsyncIterator[RunningProxy]:
-    """pdproxy under a real uvicorn on 127.0.0.1 and a free port, on the current loop;
-    ``https://`` when ``config.tls`` is enabled, with uvicorn's ssl_* settings as the CLI's.
+    """pdproxy under a real uvicorn on 127.0.0.1 and a free port, on the current loop, with
+    the CLI's uvicorn settings (``pdproxy.server.uvicorn_config``); ``https://`` when
+    ``config.tls`` is enabled.
     ``app_options`` go to ``create_app`` (a tracer, a metrics registry...)."""
     app = create_app(config, **app_options)
     tls = config.tls
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            http="httptools",
-            loop="none",
-            log_config=None,
-            access_log=False,
-            lifespan="on",
-            ssl_keyfile=tls.keyfile,
-            ssl_certfile=tls.certfile,
-            ssl_ca_certs=tls.ca_certs,
-            ssl_cert_reqs=tls.cert_reqs,
-        )
-    )
+    # The CLI's own settings (the bounded protocol, config.clients's limits), on this loop.
+    local = dataclasses.replace(config, host="127.0.0.1", port=0)
+    server = uvicorn.Server(uvicorn_config(app, local, loop="none", lifespan="on"))
     task = asyncio.create_task(server.serve())
     try:
         for _ in range(500):
