@@ -50,7 +50,7 @@ from bench.sched_fleet import Shape, SimFleet, proxy, proxy_help, sim_fleet
 from bench.sched_report import chart, kind_table, table, write_json
 from bench.sched_stats import DECODE_ONLY, Answer, Observed, RunResult, cache_totals, summarize
 from bench.sched_workloads import QUICK, Sizes, bursty, chat_sessions, heterogeneous
-from pdproxy.scheduling_config import POLICIES
+from pdproxy.config.scheduling import POLICIES
 
 QUICK_POLICIES = ("round-robin", "least-loaded", "prefix-affinity")
 BASELINE = "round-robin"  # pdproxy before issue 10; the fixed role's policy by default

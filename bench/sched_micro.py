@@ -16,9 +16,9 @@ import time
 import tracemalloc
 from typing import Any
 
+from pdproxy.config.scheduling import POLICIES, SchedulingConfig
 from pdproxy.scheduling.prefix_index import PrefixIndex
 from pdproxy.scheduling.scheduler import Scheduler
-from pdproxy.scheduling_config import POLICIES, SchedulingConfig
 from pdproxy.types import Endpoint, EngineAddress, EngineLoad, Role, Snapshot, Source
 
 TARGET_US = 20.0

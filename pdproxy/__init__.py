@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdproxy.config import ProxyConfig
+from pdproxy.config.proxy import ProxyConfig
 
 __version__ = "0.1.0"
 __all__ = ["ProxyConfig", "__version__", "create_app"]

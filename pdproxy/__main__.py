@@ -1,3 +1,3 @@
-from pdproxy.cli import main
+from pdproxy.cli.main import main
 
 main()

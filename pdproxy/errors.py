@@ -4,10 +4,10 @@
     ├── BadRequest            400   the client's body or headers are unusable
     │   ├── UnsupportedMediaType 415
     │   ├── PayloadTooLarge   413
-    │   └── HeadTooLarge      431   a request head past --max-request-head-bytes (pdproxy.listener)
-    ├── ClientTimeout         408   a request head or body not sent in time (pdproxy.listener)
-    ├── TooManyConnections    503   every client connection busy at the cap (Retry-After)
-    ├── Unauthorized          401   no or a wrong client API key
+    │   └── HeadTooLarge      431   a request head past --max-request-head-bytes
+    (pdproxy.runtime.listener) ├── ClientTimeout         408   a request head or body not sent in
+    time (pdproxy.runtime.listener) ├── TooManyConnections    503   every client connection busy at
+    the cap (Retry-After) ├── Unauthorized          401   no or a wrong client API key
     ├── Overloaded            429   past --max-concurrent-requests and its queue (Retry-After)
     ├── LoopDetected          508   the request carries this pdproxy's own hop (Via)
     ├── NoEndpointAvailable   503   no routable prefill or decode instance

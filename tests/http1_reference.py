@@ -1,5 +1,5 @@
 """The two readers of tests/unit/test_http1_differential.py: one engine answer, delivered in
-pieces, read by pdproxy's legs' client (``pdproxy.http1.Pool`` over an in-memory transport)
+pieces, read by pdproxy's legs' client (``pdproxy.upstream.http1.Pool`` over an in-memory transport)
 and by h11's client side (the reference), each reduced to a ``Verdict``.
 
 A ``Verdict`` is the framing of the answer, not its headers: a message (its final status, its
@@ -21,7 +21,7 @@ from typing import Any, Literal, cast
 
 import h11
 
-from pdproxy import http1
+from pdproxy.upstream import http1
 
 URL = "http://engine.test:8000/v1/completions"
 REQUEST_BODY = b'{"prompt":"x"}'

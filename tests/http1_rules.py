@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from pdproxy.http1.connection import MAX_FIELDS, MAX_HEAD, MAX_LINE
+from pdproxy.upstream.http1.connection import MAX_FIELDS, MAX_HEAD, MAX_LINE
 from tests.http1_answers import chunk_lines, chunked_start, final_head, heads
 from tests.http1_reference import NEXT, Exchange, Verdict
 

@@ -11,8 +11,8 @@ from typing import Any
 import uvicorn
 
 from pdproxy.api.app import create_app
-from pdproxy.config import ProxyConfig
-from pdproxy.server import uvicorn_config
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.runtime.server import uvicorn_config
 
 
 @dataclasses.dataclass
@@ -29,7 +29,7 @@ class RunningProxy:
 @contextlib.asynccontextmanager
 async def running_proxy(config: ProxyConfig, **app_options: Any) -> AsyncIterator[RunningProxy]:
     """pdproxy under a real uvicorn on 127.0.0.1 and a free port, on the current loop, with
-    the CLI's uvicorn settings (``pdproxy.server.uvicorn_config``); ``https://`` when
+    the CLI's uvicorn settings (``pdproxy.runtime.server.uvicorn_config``); ``https://`` when
     ``config.tls`` is enabled.
     ``app_options`` go to ``create_app`` (a tracer, a metrics registry...)."""
     app = create_app(config, **app_options)

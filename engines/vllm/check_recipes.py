@@ -37,7 +37,7 @@ EXPECTED_PDPROXY = {
 def pdproxy_config(args: list[str]):
     """pdproxy's own ProxyConfig for a recipe's command line; SystemExit(2) when invalid."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from pdproxy.cli import parse_config
+    from pdproxy.cli.main import parse_config
 
     return parse_config(args, environ={})
 

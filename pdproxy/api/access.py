@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from pdproxy.log import ACCESS_LOGGER
-from pdproxy.metrics import ProxyMetrics
-from pdproxy.request_context import RequestTrace
+from pdproxy.observability.log import ACCESS_LOGGER
+from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.observability.request_context import RequestTrace
 
 access_logger = logging.getLogger(ACCESS_LOGGER)
 

@@ -20,11 +20,11 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pdproxy.addresses import format_url, kv_address_problem, parse_host_port
 from pdproxy.api.errors import json_response
 from pdproxy.api.info import describe
 from pdproxy.api.state import AppState
-from pdproxy.config import TRANSFER_MODES
+from pdproxy.config.addresses import format_url, kv_address_problem, parse_host_port
+from pdproxy.config.proxy import TRANSFER_MODES
 from pdproxy.errors import AdminError, ConfigError
 from pdproxy.types import EngineAddress, Role
 

@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdproxy.admission import Admission
 from pdproxy.api.admin import router as admin_router
 from pdproxy.api.auth import ClientKeys
 from pdproxy.api.dashboard import Dashboard
@@ -25,40 +24,41 @@ from pdproxy.api.info import router as info_router
 from pdproxy.api.openai import GenerationEndpoint
 from pdproxy.api.passthrough import PassthroughEndpoint
 from pdproxy.api.state import AppState
-from pdproxy.config import ProxyConfig, RetryConfig
+from pdproxy.config.proxy import ProxyConfig, RetryConfig
+from pdproxy.config.workers import WorkerSpec
 from pdproxy.connectors import KVConnector, load_connector
-from pdproxy.discovery.shared import require_etcd
-from pdproxy.discovery.zmq import ZmqRegistry
-from pdproxy.engine_client import EngineClient
 from pdproxy.errors import ConfigError, ProxyError
-from pdproxy.health import HealthChecker
-from pdproxy.kv_release import KVRelease
-from pdproxy.legs import Legs
-from pdproxy.lifecycle import Lifecycle
-from pdproxy.load_scraper import LoadScraper
-from pdproxy.membership import Membership
-from pdproxy.metrics import ProxyMetrics
-from pdproxy.orchestrator import Orchestrator
-from pdproxy.passthrough import Passthrough
-from pdproxy.registry import EndpointRegistry
-from pdproxy.render_once import RenderOnce
+from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.membership.discovery.shared import require_etcd
+from pdproxy.membership.discovery.zmq import ZmqRegistry
+from pdproxy.membership.health import HealthChecker
+from pdproxy.membership.load_scraper import LoadScraper
+from pdproxy.membership.membership import Membership
+from pdproxy.membership.workers.link import OwnerLink
+from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.observability.multiproc import WorkerGauges, exposition_registry
+from pdproxy.observability.tracing import Tracer, load_tracer
+from pdproxy.proxying.admission import Admission
+from pdproxy.proxying.kv_release import KVRelease
+from pdproxy.proxying.legs import Legs
+from pdproxy.proxying.lifecycle import Lifecycle
+from pdproxy.proxying.orchestrator import Orchestrator
+from pdproxy.proxying.passthrough import Passthrough
+from pdproxy.proxying.render_once import RenderOnce
+from pdproxy.proxying.verdicts import Verdicts
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
-from pdproxy.routes import ROUTES
 from pdproxy.scheduling.scheduler import Scheduler
-from pdproxy.tracing import Tracer, load_tracer
 from pdproxy.types import ApiKind, Endpoint, Role, Source
-from pdproxy.verdicts import Verdicts
-from pdproxy.workers.link import OwnerLink
-from pdproxy.workers.multiproc import WorkerGauges, exposition_registry
-from pdproxy.workers.spec import WorkerSpec
+from pdproxy.upstream.engine_client import EngineClient
+from pdproxy.wire.routes import ROUTES
 
 # --workers: the longest an admin write waits for the owner, past the warm-up's timeout (the
 # owner probes the instance first, within the probe pool's timeouts).
 _ADMIN_TIMEOUT = 60.0
 
 if TYPE_CHECKING:  # imported at run time only under --registry-backend etcd://
-    from pdproxy.discovery.etcd import EtcdRegistry
+    from pdproxy.membership.discovery.etcd import EtcdRegistry
 
 
 def create_app(
@@ -71,7 +71,7 @@ def create_app(
     worker: WorkerSpec | None = None,
 ) -> FastAPI:
     """The app of a single pdproxy, or with ``worker`` of one ``--workers`` process, whose
-    membership follows the owner's (``pdproxy.workers``)."""
+    membership follows the owner's (``pdproxy.runtime``)."""
     state = _build_state(
         config, clock, metrics_registry or CollectorRegistry(), rng or random.Random()
     )
@@ -157,7 +157,7 @@ def _shared_registry(config: ProxyConfig, state: AppState) -> EtcdRegistry | Non
     if not config.registry.shared.enabled:
         return None
     require_etcd()
-    from pdproxy.discovery.etcd import EtcdRegistry
+    from pdproxy.membership.discovery.etcd import EtcdRegistry
 
     return EtcdRegistry(
         config.registry.shared,

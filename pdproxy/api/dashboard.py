@@ -29,8 +29,14 @@ from pdproxy.api.errors import json_response
 from pdproxy.api.info import describe
 from pdproxy.api.state import AppState
 from pdproxy.errors import Unauthorized
-from pdproxy.fleet_view import FleetWindow, Totals, figures_dict, series_dict, totals_from_samples
-from pdproxy.metrics import ProxyMetrics
+from pdproxy.observability.fleet_view import (
+    FleetWindow,
+    Totals,
+    figures_dict,
+    series_dict,
+    totals_from_samples,
+)
+from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.types import ApiKind, Endpoint, EngineLoad
 

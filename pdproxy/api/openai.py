@@ -22,7 +22,6 @@ from pdproxy.api.access import RequestFinisher
 from pdproxy.api.direct import direct_writer
 from pdproxy.api.errors import JSON, error_body, internal_error
 from pdproxy.api.state import AppState
-from pdproxy.body_fields import check_body
 from pdproxy.errors import (
     BadRequest,
     LoopDetected,
@@ -33,13 +32,14 @@ from pdproxy.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
-from pdproxy.exchange import ClientRequest, ProxyResponse
-from pdproxy.lifecycle import Lifecycle
-from pdproxy.loops import Hop
-from pdproxy.relay import SSE_DONE, StreamRelay
-from pdproxy.request_context import RequestTrace, bind, unbind
-from pdproxy.shaping import MESSAGES, MODEL, PROMPT, SAMPLING_PARAMS, TOKEN_IDS, is_token_in
+from pdproxy.membership.guard import Hop
+from pdproxy.observability.request_context import RequestTrace, bind, unbind
+from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.lifecycle import Lifecycle
+from pdproxy.proxying.relay import SSE_DONE, StreamRelay
 from pdproxy.types import ApiKind
+from pdproxy.wire.body_fields import check_body
+from pdproxy.wire.shaping import MESSAGES, MODEL, PROMPT, SAMPLING_PARAMS, TOKEN_IDS, is_token_in
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The pass-through endpoints (``pdproxy.routes``) as raw ASGI handlers.
+"""The pass-through endpoints (``pdproxy.wire.routes``) as raw ASGI handlers.
 
 Each is served like a generation endpoint: a draining proxy answers 503 and a missing or
 wrong client key 401 first, the body is read once under ``--max-body-bytes`` and must be a
@@ -18,8 +18,8 @@ from starlette.types import Receive
 from pdproxy.api.openai import Answer, ServedEndpoint, legs_via, read_json_body
 from pdproxy.api.state import AppState
 from pdproxy.errors import BadRequest
-from pdproxy.passthrough import PassthroughRequest
-from pdproxy.routes import PassthroughRoute
+from pdproxy.proxying.passthrough import PassthroughRequest
+from pdproxy.wire.routes import PassthroughRoute
 
 
 class PassthroughEndpoint(ServedEndpoint):

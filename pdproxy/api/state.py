@@ -9,24 +9,24 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pdproxy.admission import Admission
 from pdproxy.api.auth import ClientKeys
-from pdproxy.config import ProxyConfig
-from pdproxy.engine_client import EngineClient
-from pdproxy.health import HealthChecker
-from pdproxy.kv_release import KVRelease
-from pdproxy.lifecycle import Lifecycle
-from pdproxy.load_scraper import LoadScraper
-from pdproxy.membership import Membership
-from pdproxy.metrics import ProxyMetrics
-from pdproxy.orchestrator import Orchestrator
-from pdproxy.passthrough import Passthrough
-from pdproxy.registry import EndpointRegistry
-from pdproxy.render_once import RenderOnce
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.membership.health import HealthChecker
+from pdproxy.membership.load_scraper import LoadScraper
+from pdproxy.membership.membership import Membership
+from pdproxy.membership.workers.link import OwnerLink
+from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.observability.multiproc import WorkerGauges
+from pdproxy.observability.tracing import NullTracer, Tracer
+from pdproxy.proxying.admission import Admission
+from pdproxy.proxying.kv_release import KVRelease
+from pdproxy.proxying.lifecycle import Lifecycle
+from pdproxy.proxying.orchestrator import Orchestrator
+from pdproxy.proxying.passthrough import Passthrough
+from pdproxy.proxying.render_once import RenderOnce
 from pdproxy.resilience.outlier import OutlierDetector
-from pdproxy.tracing import NullTracer, Tracer
-from pdproxy.workers.link import OwnerLink
-from pdproxy.workers.multiproc import WorkerGauges
+from pdproxy.upstream.engine_client import EngineClient
 
 
 @dataclass(slots=True)
@@ -43,7 +43,7 @@ class AppState:
     keys: ClientKeys
     lifecycle: Lifecycle
     loads: LoadScraper  # the engines' /metrics scrapes
-    passthrough: Passthrough  # the endpoints served by one decode (pdproxy.routes)
+    passthrough: Passthrough  # the endpoints served by one decode (pdproxy.wire.routes)
     clock: Callable[[], float] = time.monotonic
     admission: Admission | None = None  # None: no --max-concurrent-requests
     engine_authorization: str | None = None  # "Bearer <--engine-api-key>"

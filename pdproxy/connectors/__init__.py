@@ -5,7 +5,7 @@ the prefill and decode bodies, and says whether the legs run one after the other
 finish before D starts) or together. It never does I/O; what it must learn from an engine
 (Mooncake's engine ids) it names as a URL and parses from the answer the caller fetched.
 
-Adapters are chosen by name through ``pdproxy.config.KV_CONNECTORS``.
+Adapters are chosen by name through ``pdproxy.config.proxy.KV_CONNECTORS``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pdproxy.config import KV_CONNECTORS, ProxyConfig, import_from_string
+from pdproxy.config.proxy import KV_CONNECTORS, ProxyConfig, import_from_string
 from pdproxy.errors import ConfigError
-from pdproxy.shaping import JSONBody, client_request_id, decode_body, prefill_body
 from pdproxy.types import EngineAddress, PairDecision
+from pdproxy.wire.shaping import JSONBody, client_request_id, decode_body, prefill_body
 
 # Retry reasons (pdproxy.resilience.retry) that prove the decode engine never saw the leg.
 NEVER_REACHED_DECODE = frozenset({"connect"})

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdproxy.connectors import SerialConnector, Transfer
-from pdproxy.shaping import JSONBody, client_request_id, decode_body, prefill_body
 from pdproxy.types import EngineAddress, PairDecision
+from pdproxy.wire.shaping import JSONBody, client_request_id, decode_body, prefill_body
 
 BOOTSTRAP_PATH = "/query"
 

@@ -15,10 +15,16 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from pdproxy.config import ProxyConfig
+from pdproxy.config.proxy import ProxyConfig
 from pdproxy.connectors import SerialConnector, Transfer
-from pdproxy.shaping import KV_TRANSFER_PARAMS, JSONBody, decode_body, peer_request_id, prefill_body
 from pdproxy.types import PairDecision
+from pdproxy.wire.shaping import (
+    KV_TRANSFER_PARAMS,
+    JSONBody,
+    decode_body,
+    peer_request_id,
+    prefill_body,
+)
 
 TRANSFER_PREFIX = "tx"  # MoRIIOConstants.TRANSFER_PREFIX
 # What a READ decode takes from P's answer; the rest it builds from the request id.

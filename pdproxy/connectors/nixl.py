@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdproxy.connectors import ReleaseLeg, SerialConnector, Transfer
-from pdproxy.shaping import (
+from pdproxy.types import ApiKind
+from pdproxy.wire.shaping import (
     KV_TRANSFER_PARAMS,
     MODEL,
     JSONBody,
@@ -33,7 +34,6 @@ from pdproxy.shaping import (
     one_token,
     prefill_body,
 )
-from pdproxy.types import ApiKind
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ failed decode is retried with a fresh pair (a new id, a new prefill).
 from __future__ import annotations
 
 from pdproxy.connectors import SerialConnector, Transfer
-from pdproxy.shaping import peer_request_id
 from pdproxy.types import PairDecision
+from pdproxy.wire.shaping import peer_request_id
 
 
 class P2pNcclConnector(SerialConnector):

@@ -15,7 +15,7 @@ right for English with a BPE tokenizer), or the exact count for token ids.
 
 Two kinds of request are served by a decode alone, whatever the prompt size, because vLLM
 0.32 cannot split them across a prefill and a decode correctly (``one_leg_reason``). Their
-fields are read as vLLM reads them (``pdproxy.coerce``: ``n: "2"`` and ``n: 2.0`` are 2,
+fields are read as vLLM reads them (``pdproxy.wire.coerce``: ``n: "2"`` and ``n: 2.0`` are 2,
 ``"true"`` is true), and a token-in body's from its ``sampling_params`` alone:
 
 * ``parallel_sampling`` (``n``, ``best_of`` > 1, ``use_beam_search``): vLLM forks one
@@ -38,9 +38,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from pdproxy.coerce import read_bool, read_int
 from pdproxy.scheduling.context import RequestFeatures
-from pdproxy.shaping import MESSAGES, SAMPLING_PARAMS, is_token_in
+from pdproxy.wire.coerce import read_bool, read_int
+from pdproxy.wire.shaping import MESSAGES, SAMPLING_PARAMS, is_token_in
 
 _ROLE_SEP = "\x1f"
 _MESSAGE_SEP = "\x1e"

@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.scheduling import Filter, Picker, Scorer
 from pdproxy.scheduling.context import Context
 from pdproxy.scheduling.filters import ModelFilter, OverloadFilter
@@ -31,7 +32,6 @@ from pdproxy.scheduling.pickers import (
 )
 from pdproxy.scheduling.prefix_index import PrefixIndex
 from pdproxy.scheduling.scorers import KVUsageScorer, LoadScorer, PrefixScorer
-from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import Endpoint
 
 

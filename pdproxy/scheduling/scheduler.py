@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.errors import BadRequest, NoEndpointAvailable
 from pdproxy.scheduling import Decider
 from pdproxy.scheduling.context import Context, RequestFeatures
@@ -21,7 +22,6 @@ from pdproxy.scheduling.policies import build_policy
 from pdproxy.scheduling.ranks import RankChooser
 from pdproxy.scheduling.scorers import prefix_matches
 from pdproxy.scheduling.speed import SpeedTracker
-from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
 
 SHORT_PROMPT = "short_prompt"

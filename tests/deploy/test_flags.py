@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from engines import register
-from pdproxy.cli import ENV_PREFIX, config_from_args, parse_config
-from pdproxy.flags import build_parser
+from pdproxy.cli.flags import build_parser
+from pdproxy.cli.main import ENV_PREFIX, config_from_args, parse_config
 from tests.deploy.conftest import DEPLOYABLE, TARGETS
 from tests.deploy.manifests import (
     DEPLOY,
@@ -30,7 +30,7 @@ from tests.deploy.manifests import (
     unit_settings,
 )
 
-# Read by pdproxy without the prefix (pdproxy/cli.py: the admin key has a file flag only).
+# Read by pdproxy without the prefix (pdproxy/cli/main.py: the admin key has a file flag only).
 UNPREFIXED = {"ADMIN_API_KEY"}
 # The base names no engines (its overlays do); pdproxy refuses to start without any.
 SOME_ENGINES = {"PDPROXY_PREFILL": "http://p:8100", "PDPROXY_DECODE": "http://d:8200"}
@@ -41,7 +41,7 @@ def options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def env_names() -> set[str]:
-    """PDPROXY_<DEST> of every flag, as pdproxy.cli reads them."""
+    """PDPROXY_<DEST> of every flag, as pdproxy.cli.main reads them."""
     return {ENV_PREFIX + a.dest.upper() for a in build_parser()._actions if a.option_strings} - {
         "PDPROXY_HELP"
     }

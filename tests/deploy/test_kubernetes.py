@@ -34,7 +34,7 @@ from tests.deploy.manifests import (
 
 # Objects of CRDs have no bundled schema; they are checked by hand below.
 CRD_GROUPS = ("monitoring.coreos.com/",)
-UVICORN_SHUTDOWN_SECS = 5  # pdproxy/cli.py: timeout_graceful_shutdown after the drain
+UVICORN_SHUTDOWN_SECS = 5  # pdproxy/cli/main.py: timeout_graceful_shutdown after the drain
 
 
 def pdproxy_deployment(objects) -> dict[str, Any]:

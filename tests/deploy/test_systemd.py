@@ -22,7 +22,7 @@ from engines.ports import free_ports
 from tests.deploy.manifests import ENV_EXAMPLE, ROOT, UNIT, env_file, unit_settings
 
 SETTINGS = unit_settings()
-UVICORN_SHUTDOWN_SECS = 5  # pdproxy/cli.py: timeout_graceful_shutdown after the drain
+UVICORN_SHUTDOWN_SECS = 5  # pdproxy/cli/main.py: timeout_graceful_shutdown after the drain
 HARDENING = {
     "NoNewPrivileges": "yes",
     "ProtectSystem": "strict",

@@ -21,8 +21,8 @@ import orjson
 import pytest
 
 from engines.vllm.launch import EnginePair, vllm_engines
-from pdproxy.config import ProxyConfig
-from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.types import EngineAddress
 from tests.e2e.conftest import external_tokens, post
 from tests.servers import running_proxy

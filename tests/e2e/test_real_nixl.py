@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
-from pdproxy.config import ProxyConfig
+from pdproxy.config.proxy import ProxyConfig
 from pdproxy.types import EngineAddress
 from tests.e2e.conftest import external_tokens, output_text, post, wait_until
 from tests.servers import running_proxy
@@ -182,8 +182,8 @@ async def test_orphaned_kv_is_released_within_two_seconds(nixl_pair, record_prop
     decode (a one-token leg while that decode is cold to pdproxy, then a leg vLLM rejects
     before admission, which makes it notify P), instead of the 30 s lease."""
     from engines.ports import free_port
-    from pdproxy.config import HealthConfig, OutlierConfig, RetryConfig
-    from pdproxy.scheduling_config import SchedulingConfig
+    from pdproxy.config.proxy import HealthConfig, OutlierConfig, RetryConfig
+    from pdproxy.config.scheduling import SchedulingConfig
 
     pair = nixl_pair
     dead = EngineAddress(url=f"http://127.0.0.1:{free_port()}")

@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from engines.vllm.launch import SMOLLM2, EnginePair, vllm_engines
-from pdproxy.config import ProxyConfig
+from pdproxy.config.proxy import ProxyConfig
 from pdproxy.types import EngineAddress
 from tests.e2e.conftest import external_tokens
 from tests.servers import running_proxy

@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 
 from engines.sim import SimConfig, model, running_sim
-from pdproxy.config import HealthConfig, OutlierConfig, ProxyConfig, RetryConfig, Timeouts
+from pdproxy.config.proxy import HealthConfig, OutlierConfig, ProxyConfig, RetryConfig, Timeouts
 from pdproxy.types import EngineAddress
 from tests.servers import RunningProxy, running_proxy
 

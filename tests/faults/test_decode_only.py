@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.config.scheduling import SchedulingConfig
 from tests.faults.harness import all_ok, assert_settled, body, drive, fleet
 
 pytestmark = pytest.mark.faults

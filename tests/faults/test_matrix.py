@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from pdproxy.config import RetryConfig, SchedulingConfig
+from pdproxy.config.proxy import RetryConfig, SchedulingConfig
 from tests.faults.harness import (
     HEALTH,
     all_ok,

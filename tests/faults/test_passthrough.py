@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 import pytest
 
-from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.config.scheduling import SchedulingConfig
 from tests.faults.harness import MODEL, TIMEOUTS, assert_settled, fleet
 
 ROUND_ROBIN_DECODES = SchedulingConfig(decode_policy="round-robin")

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from engines.sim import SimConfig, running_sim
-from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.types import EngineAddress
 from tests.faults.harness import MODEL, PROMPT, TIMEOUTS, Fleet, assert_settled, fleet
 

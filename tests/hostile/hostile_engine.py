@@ -23,9 +23,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pdproxy.config import HealthConfig, OutlierConfig, ProxyConfig, RetryConfig, Timeouts
-from pdproxy.scheduling_config import SchedulingConfig
-from pdproxy.server import settle_garbage_collector
+from pdproxy.config.proxy import HealthConfig, OutlierConfig, ProxyConfig, RetryConfig, Timeouts
+from pdproxy.config.scheduling import SchedulingConfig
+from pdproxy.runtime.server import settle_garbage_collector
 from pdproxy.types import EngineAddress
 from tests.servers import RunningProxy, running_proxy
 

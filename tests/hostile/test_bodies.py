@@ -29,7 +29,7 @@ import pytest
 from bench.procs import process, wait_healthy
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config import ProxyConfig
+from pdproxy.config.proxy import ProxyConfig
 from pdproxy.types import EngineAddress
 from tests.servers import running_proxy
 from tests.sim.helpers import CHAT, COMPLETIONS, body_for, sse_events, text_of

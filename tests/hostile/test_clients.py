@@ -1,5 +1,5 @@
 """Hostile clients on raw sockets against a real pdproxy process (issue 19, rows 2 and 6;
-pdproxy.listener): endless request heads, idle and slowloris connections under a small
+pdproxy.runtime.listener): endless request heads, idle and slowloris connections under a small
 open-file limit, the connection cap, stalled bodies.
 
 pdproxy runs as ``python -m pdproxy`` (its RSS, open files and RLIMIT_NOFILE are its own)
@@ -32,7 +32,7 @@ import pytest
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.listener import OVER_CAP_WAITING
+from pdproxy.runtime.listener import OVER_CAP_WAITING
 
 HOST = "127.0.0.1"
 MODEL = "sim-model"
@@ -525,7 +525,7 @@ async def _trickled_completion(proxy: Proxy) -> int:
 
 async def test_every_worker_serves_through_the_bounds(tmp_path):
     """--workers: each serving process builds its listener with the same function, limits
-    and protocol (pdproxy.server.uvicorn_config); the kernel spreads connections over them
+    and protocol (pdproxy.runtime.server.uvicorn_config); the kernel spreads connections over them
     (20 connections all on one of two workers: one chance in half a million)."""
     flags = ["--workers", "2", "--max-request-head-bytes", "4096"]
     async with pdproxy(tmp_path, *flags) as proxy:

@@ -31,8 +31,8 @@ from pdproxy.api.direct import (
     direct_writer,
     fast_path_problem,
 )
-from pdproxy.config import ListenerTLS, ProxyConfig
-from pdproxy.server import uvicorn_config
+from pdproxy.config.proxy import ListenerTLS, ProxyConfig
+from pdproxy.runtime.server import uvicorn_config
 from pdproxy.types import EngineAddress
 from tests.certs import CertPaths, tls_certs  # noqa: F401  (the certs fixture)
 from tests.integration.conftest import MODEL, deployment

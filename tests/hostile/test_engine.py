@@ -1,5 +1,5 @@
 """A hostile engine in front of a real pdproxy (issue 19, rows 1, 3, 9, 10, 11 and the
-defects read in ``pdproxy/http1``): each case scripts the engine's bytes, drives attacking
+defects read in ``pdproxy/upstream/http1``): each case scripts the engine's bytes, drives attacking
 clients and bystanders (whose requests share the engine's pooled connections) for a bounded
 time, and asserts what each client got: the attackers the right OpenAI-shaped error (or
 their own answer), every bystander its own answer, ``/health`` p99 under 100 ms all along,
@@ -18,8 +18,8 @@ import aiohttp
 import orjson
 import pytest
 
-from pdproxy.config import PoolLimits
-from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.config.proxy import PoolLimits
+from pdproxy.config.scheduling import SchedulingConfig
 from tests.hostile.hostile_engine import (
     MODEL,
     Answer,

@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engines.sim import SimConfig, running_sim
-from pdproxy.config import ProxyConfig
-from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.types import EngineAddress
 from tests.servers import running_proxy
 

@@ -7,7 +7,7 @@ import logging
 
 import aiohttp
 
-from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.config.scheduling import SchedulingConfig
 from tests.integration.conftest import MODEL, deployment
 
 BODY = {"model": MODEL, "prompt": "short", "max_tokens": 3, "stream": True}

@@ -11,7 +11,7 @@ import pytest
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config import ProxyConfig
+from pdproxy.config.proxy import ProxyConfig
 from pdproxy.types import EngineAddress
 from tests.integration.conftest import MODEL
 from tests.servers import running_proxy

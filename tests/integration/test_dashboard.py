@@ -11,7 +11,7 @@ import time
 import aiohttp
 import pytest
 
-from pdproxy.cli import parse_config
+from pdproxy.cli.main import parse_config
 from tests.faults.harness import all_ok, drive, fleet
 
 KEY = "dashboard-test-key"

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from engines.sim import model
-from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.config.scheduling import SchedulingConfig
 from tests.integration.conftest import MODEL, deployment
 
 GENERATE = "/inference/v1/generate"

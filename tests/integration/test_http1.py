@@ -1,4 +1,4 @@
-"""pdproxy.http1, the legs' HTTP/1.1 client, against scripted servers on loopback: framing
+"""pdproxy.upstream.http1, the legs' HTTP/1.1 client, against scripted servers on loopback: framing
 (content-length, chunked, to the connection's end), keep-alive and pooled reuse, expiry,
 half-closes, resets, timeouts, limits and malformed answers."""
 
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import uvloop
 
-from pdproxy import http1
+from pdproxy.upstream import http1
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -16,14 +16,14 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from engines.sim import SimConfig, running_sim
-from pdproxy.cli import parse_config
-from pdproxy.config import HealthConfig, PoolLimits, ProxyConfig, Timeouts
-from pdproxy.engine_client import EngineClient
+from pdproxy.cli.main import parse_config
+from pdproxy.config.proxy import HealthConfig, PoolLimits, ProxyConfig, Timeouts
 from pdproxy.errors import ConfigError
-from pdproxy.load_scraper import LoadScraper
-from pdproxy.metrics import ProxyMetrics
-from pdproxy.registry import EndpointRegistry
+from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.membership.load_scraper import LoadScraper
+from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.types import Endpoint, EngineAddress, Role, Source
+from pdproxy.upstream.engine_client import EngineClient
 from tests.integration.conftest import MODEL, deployment
 from tests.servers import running_proxy
 

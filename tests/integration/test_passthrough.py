@@ -15,8 +15,8 @@ import orjson
 import pytest
 
 from engines.sim import model
-from pdproxy.config import AdmissionConfig, RetryConfig
-from pdproxy.routes import ROUTES, pin
+from pdproxy.config.proxy import AdmissionConfig, RetryConfig
+from pdproxy.wire.routes import ROUTES, pin
 from tests.integration.conftest import MODEL, deployment
 
 TOKENS = model.tokenize("alpha bravo charlie")  # generated words: every sim knows them

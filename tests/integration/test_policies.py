@@ -14,8 +14,8 @@ import orjson
 import pytest
 
 from engines.sim import SimConfig, running_sim
-from pdproxy.config import HealthConfig, ProxyConfig
-from pdproxy.scheduling_config import SchedulingConfig
+from pdproxy.config.proxy import HealthConfig, ProxyConfig
+from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.types import EngineAddress, EngineLoad
 from tests.integration.conftest import MODEL
 from tests.servers import running_proxy

@@ -15,9 +15,9 @@ import pytest
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config import ProxyConfig, RegistryConfig
-from pdproxy.discovery.zap import allowed, parse_networks
-from pdproxy.discovery.zmq import GarbageLimiter
+from pdproxy.config.proxy import ProxyConfig, RegistryConfig
+from pdproxy.membership.discovery.zap import allowed, parse_networks
+from pdproxy.membership.discovery.zmq import GarbageLimiter
 from tests.integration.conftest import MODEL
 from tests.integration.test_registry import dealer, p2p
 from tests.servers import RunningProxy, running_proxy

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from engines.sim import SimConfig, running_sim
-from pdproxy.config import ProxyConfig
+from pdproxy.config.proxy import ProxyConfig
 from pdproxy.types import EngineAddress
 from tests.integration.conftest import MODEL, ROUND_ROBIN, deployment
 from tests.servers import running_proxy

@@ -177,7 +177,7 @@ async def test_whole_streams_count_as_ok_and_pool_their_decode_connections(monke
     """uvicorn's receive() reports a disconnect once a response is complete; the handler,
     still reading the engine's end of the stream, must not take it for a client that left
     (it did for about half the streams: counted client_disconnected, connection dropped)."""
-    from pdproxy.http1.pool import Pool
+    from pdproxy.upstream.http1.pool import Pool
 
     connects = 0
     connect = Pool._connect

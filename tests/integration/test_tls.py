@@ -18,9 +18,9 @@ import orjson
 import pytest
 
 from engines.sim import SimConfig, running_sim
-from pdproxy.config import EngineTLS, HealthConfig, ListenerTLS, PoolLimits, Timeouts
-from pdproxy.engine_client import EngineClient
+from pdproxy.config.proxy import EngineTLS, HealthConfig, ListenerTLS, PoolLimits, Timeouts
 from pdproxy.errors import ConfigError, UpstreamConnectError, UpstreamProtocolError
+from pdproxy.upstream.engine_client import EngineClient
 from tests.certs import CertPaths, tls_certs  # noqa: F401  (the certs fixture)
 from tests.integration.conftest import MODEL, Deployment, deployment
 
@@ -240,7 +240,7 @@ async def test_untrusted_engine_is_a_connect_error_and_sends_nothing(certs):
     async with running_sim(sim_config) as sim, _engine_client(EngineTLS(ca_certs=certs.ca)) as c:
         with pytest.raises(UpstreamConnectError) as caught:
             await _post_leg(c, sim.url)
-        # the legs' client (pdproxy.http1) failed the handshake on the certificate's check
+        # the legs' client (pdproxy.upstream.http1) failed the handshake on the certificate's check
         assert isinstance(caught.value.__cause__.__cause__, ssl.SSLCertVerificationError)
         assert "CERTIFICATE_VERIFY_FAILED" in str(caught.value)
         assert not await c.probe(sim.url + "/health", 2)

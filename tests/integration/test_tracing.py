@@ -25,8 +25,8 @@ from opentelemetry.trace import SpanKind
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config import ProxyConfig
-from pdproxy.tracing import OtelTracer
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.observability.tracing import OtelTracer
 from pdproxy.types import EngineAddress
 from tests.integration.conftest import MODEL
 from tests.servers import running_proxy

@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 
 from engines.sim import SimConfig, running_sim
-from pdproxy.config import HealthConfig
-from pdproxy.registry import EndpointRegistry
+from pdproxy.config.proxy import HealthConfig
+from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.membership.warmup import WARMUP_ID_PREFIX, PairWarmer
 from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Source
-from pdproxy.warmup import WARMUP_ID_PREFIX, PairWarmer
 from tests.integration.conftest import MODEL, deployment
 
 

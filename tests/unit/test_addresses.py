@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from pdproxy.addresses import (
+from pdproxy.config.addresses import (
     LOOPBACK,
     identity,
     kv_address_problem,
@@ -18,7 +18,7 @@ from pdproxy.addresses import (
     parse_host_port,
 )
 from pdproxy.errors import ConfigError
-from pdproxy.loops import Hop, InstanceGuard, OwnListener
+from pdproxy.membership.guard import Hop, InstanceGuard, OwnListener
 
 
 @pytest.mark.parametrize(

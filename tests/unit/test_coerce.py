@@ -1,4 +1,4 @@
-"""pdproxy.coerce and pdproxy.body_fields against pydantic itself (issue 19 row 7).
+"""pdproxy.wire.coerce and pdproxy.wire.body_fields against pydantic itself (issue 19 row 7).
 
 vLLM's request models are pydantic v2 models in lax mode; pdproxy mirrors the rules by hand
 (no pydantic on the hot path). These tests run the mirror and pydantic on the same generated
@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
 
-from pdproxy.body_fields import check_body
-from pdproxy.coerce import FieldError, lax_bool, lax_int, read_bool, read_int
 from pdproxy.errors import BadRequest
 from pdproxy.types import ApiKind
+from pdproxy.wire.body_fields import check_body
+from pdproxy.wire.coerce import FieldError, lax_bool, lax_int, read_bool, read_int
 
 INT = pydantic.TypeAdapter(int)
 BOOL = pydantic.TypeAdapter(bool)

@@ -2,7 +2,7 @@ import copy
 
 import pytest
 
-from pdproxy.config import KV_CONNECTORS, ProxyConfig
+from pdproxy.config.proxy import KV_CONNECTORS, ProxyConfig
 from pdproxy.connectors import load_connector
 from pdproxy.types import Endpoint, EngineAddress, PairDecision, Role, Source
 

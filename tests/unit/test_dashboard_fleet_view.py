@@ -1,4 +1,5 @@
-"""The dashboard's windowed figures (pdproxy.fleet_view): pure, against a fake clock."""
+"""The dashboard's windowed figures (pdproxy.observability.fleet_view): pure, against a fake
+clock."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdproxy.api.dashboard import read_totals
-from pdproxy.fleet_view import (
+from pdproxy.observability.fleet_view import (
     FleetWindow,
     Totals,
     histogram_quantile,
     series_dict,
     totals_from_samples,
 )
-from pdproxy.metrics import ProxyMetrics
+from pdproxy.observability.metrics import ProxyMetrics
 
 INF = math.inf
 

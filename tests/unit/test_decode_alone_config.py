@@ -1,9 +1,9 @@
 import pytest
 
 from pdproxy.api.app import create_app
-from pdproxy.config import ProxyConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.errors import ConfigError
-from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import EngineAddress
 
 ADDR = (EngineAddress(url="http://a:1"),)

@@ -6,13 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.engine_stats import (
-    STALE_AFTER_INTERVALS,
-    fresh_load,
-    max_age,
-    parse_engine_load,
-)
 from pdproxy.types import EngineLoad, RankLoad
+from pdproxy.wire.engine_stats import STALE_AFTER_INTERVALS, fresh_load, max_age, parse_engine_load
 
 # What the sim serves today: one rank, vLLM's names, HELP/TYPE lines, counters after.
 SIM_PAGE = """\

@@ -1,4 +1,4 @@
-"""pdproxy.http1 against engines that answer what no well-behaved engine would (issue 19,
+"""pdproxy.upstream.http1 against engines that answer what no well-behaved engine would (issue 19,
 item 1): interim 1xx, statuses out of range, heads past their caps, trailers, bytes after
 the answer, bodies past the cap, huge chunk sizes, content codings, repeated headers, the
 per-host wake-up and stale idle connections. Scripted servers on loopback, as in
@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 import uvloop
 
-from pdproxy import http1
-from pdproxy.cli import parse_config
-from pdproxy.http1.connection import MAX_FIELDS, MAX_HEAD, MAX_LINE
+from pdproxy.cli.main import parse_config
+from pdproxy.upstream import http1
+from pdproxy.upstream.http1.connection import MAX_FIELDS, MAX_HEAD, MAX_LINE
 from tests.integration.test_http1 import CHUNKED_HEAD, OK, answer, chunk, pool, post, serving
 
 Writer = asyncio.StreamWriter

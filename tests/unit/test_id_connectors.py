@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from pdproxy.config import ProxyConfig
+from pdproxy.config.proxy import ProxyConfig
 from pdproxy.connectors import load_connector
 from pdproxy.types import Endpoint, EngineAddress, PairDecision, Role, Source
 

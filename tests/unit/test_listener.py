@@ -1,4 +1,4 @@
-"""pdproxy.listener's pure parts: the connection cap, the refusals' bytes, the limits'
+"""pdproxy.runtime.listener's pure parts: the connection cap, the refusals' bytes, the limits'
 validation (the protocol itself is attacked in tests/hostile/test_clients.py)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import resource
 import orjson
 import pytest
 
-from pdproxy.config import ClientLimits, ProxyConfig
+from pdproxy.config.proxy import ClientLimits, ProxyConfig
 from pdproxy.errors import ConfigError, HeadTooLarge, TooManyConnections
-from pdproxy.listener import (
+from pdproxy.runtime.listener import (
     WARN_EVERY,
     HardenedProtocol,
     Refusals,
@@ -19,7 +19,7 @@ from pdproxy.listener import (
     error_bytes,
     hardened_protocol,
 )
-from pdproxy.server import uvicorn_config
+from pdproxy.runtime.server import uvicorn_config
 from pdproxy.types import EngineAddress
 
 
@@ -86,7 +86,7 @@ def test_limits_out_of_range_are_a_config_error(fields):
 
 def test_turned_away_clients_are_warned_of_once_per_interval(caplog):
     refusals = Refusals()
-    with caplog.at_level(logging.WARNING, logger="pdproxy.listener"):
+    with caplog.at_level(logging.WARNING, logger="pdproxy.runtime.listener"):
         for now in (100.0, 101.0, 102.0, 100.0 + WARN_EVERY):
             refusals.add(now, cap=8)
     messages = [r.getMessage() for r in caplog.records]

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from pdproxy.log import FORMATTERS, JsonFormatter, RequestIdFilter, TextFormatter
-from pdproxy.request_context import RequestTrace, bind, bind_request_id, unbind
+from pdproxy.observability.log import FORMATTERS, JsonFormatter, RequestIdFilter, TextFormatter
+from pdproxy.observability.request_context import RequestTrace, bind, bind_request_id, unbind
 
 
 def _record(
@@ -84,7 +84,7 @@ def test_fields_never_replace_a_base_key():
 
 @pytest.mark.parametrize("name", ["text", "json"])
 def test_every_log_format_has_a_formatter(name):
-    from pdproxy.config import LOG_FORMATS
+    from pdproxy.config.proxy import LOG_FORMATS
 
     assert set(FORMATTERS) == set(LOG_FORMATS)
     assert isinstance(FORMATTERS[name](), logging.Formatter)

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.addresses import header_safe
-from pdproxy.discovery.messages import decode
+from pdproxy.config.addresses import header_safe
 from pdproxy.errors import RegistryMessageError
+from pdproxy.membership.discovery.messages import decode
 from pdproxy.types import Role
 
 MAX = 64 * 1024

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pdproxy.metrics import ProxyMetrics
+from pdproxy.observability.metrics import ProxyMetrics
 
 P, D = ("prefill", "http://p:1"), ("decode", "http://d:2")
 

@@ -10,7 +10,8 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdproxy.config import OutlierConfig, ProxyConfig, RetryConfig
+from pdproxy.config.proxy import OutlierConfig, ProxyConfig, RetryConfig
+from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.connectors import load_connector
 from pdproxy.errors import (
     NoEndpointAvailable,
@@ -18,14 +19,13 @@ from pdproxy.errors import (
     UpstreamServerError,
     UpstreamStatusError,
 )
-from pdproxy.exchange import ClientRequest, ProxyResponse
-from pdproxy.metrics import ProxyMetrics
-from pdproxy.orchestrator import Orchestrator
-from pdproxy.registry import EndpointRegistry
+from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.orchestrator import Orchestrator
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
 from pdproxy.scheduling.scheduler import Scheduler
-from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import ApiKind, Endpoint, EngineAddress, Role, Source
 
 REQUEST = ClientRequest(ApiKind.COMPLETIONS, {"model": "m", "prompt": "p"}, None, None)

@@ -2,11 +2,11 @@ import random
 
 import pytest
 
+from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.errors import NoEndpointAvailable
-from pdproxy.registry import EndpointRegistry
+from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.scheduling.context import RequestFeatures
 from pdproxy.scheduling.scheduler import Scheduler
-from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Source
 
 

@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from pdproxy.errors import UpstreamProtocolError, UpstreamTimeout
-from pdproxy.relay import StreamRelay, StreamWatchdog
+from pdproxy.proxying.relay import StreamRelay, StreamWatchdog
 
 
 class FakeUpstream:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from pdproxy.request_context import RequestTrace, bind, current, current_request_id, unbind
+from pdproxy.observability.request_context import (
+    RequestTrace,
+    bind,
+    current,
+    current_request_id,
+    unbind,
+)
 
 
 def test_a_leg_after_a_failed_one_is_a_retry():

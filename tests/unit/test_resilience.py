@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdproxy.config import HealthConfig, OutlierConfig
+from pdproxy.config.proxy import HealthConfig, OutlierConfig
 from pdproxy.errors import (
     BadRequest,
     UpstreamConnectError,

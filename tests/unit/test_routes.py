@@ -6,12 +6,12 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from pdproxy.config import OutlierConfig
+from pdproxy.config.proxy import OutlierConfig
 from pdproxy.errors import UpstreamProtocolError
-from pdproxy.relay import RESPONSES_SSE, StreamRelay, StreamWatchdog
+from pdproxy.proxying.relay import RESPONSES_SSE, StreamRelay, StreamWatchdog
 from pdproxy.resilience.outlier import OutlierDetector
-from pdproxy.routes import ROUTES, new_response_id, pin, pinned, responses_body
 from pdproxy.types import Endpoint, EngineAddress, Role, Source
+from pdproxy.wire.routes import ROUTES, new_response_id, pin, pinned, responses_body
 from tests.unit.test_relay import FakeUpstream
 
 

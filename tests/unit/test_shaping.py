@@ -2,7 +2,7 @@ import copy
 
 import pytest
 
-from pdproxy import shaping
+from pdproxy.wire import shaping
 
 ORIGINAL = {
     "model": "m",

@@ -8,15 +8,16 @@ import json
 import pytest
 
 from pdproxy.api.app import create_app
-from pdproxy.config import (
+from pdproxy.config.proxy import (
     HealthConfig,
     ProxyConfig,
     RegistryConfig,
     SharedRegistryConfig,
     parse_registry_backend,
 )
-from pdproxy.discovery.replica import ReplicaView
-from pdproxy.discovery.shared import (
+from pdproxy.errors import ConfigError
+from pdproxy.membership.discovery.replica import ReplicaView
+from pdproxy.membership.discovery.shared import (
     Action,
     Entry,
     Key,
@@ -33,7 +34,6 @@ from pdproxy.discovery.shared import (
     shared_view,
     tombstone_ttl,
 )
-from pdproxy.errors import ConfigError
 from pdproxy.types import EndpointState, EngineAddress, Role, Source
 
 URL = "http://10.0.0.7:8100"
@@ -206,7 +206,7 @@ async def test_what_is_learned_from_others_is_not_written_back(view):
 
 
 async def test_own_claims_come_from_heartbeats_and_go_with_their_expiry(view):
-    from pdproxy.discovery.messages import Registration
+    from pdproxy.membership.discovery.messages import Registration
 
     replica, state = view
     registration = Registration(role=Role.DECODE, address=EngineAddress(url=URL), format="p2p")
@@ -243,8 +243,8 @@ async def test_a_removal_elsewhere_drains_here_without_an_echo(view):
 
 
 def test_the_flags_reach_the_config_and_a_missing_client_is_a_clear_error(monkeypatch):
-    from pdproxy import cli
-    from pdproxy.discovery import shared
+    from pdproxy.cli import main as cli
+    from pdproxy.membership.discovery import shared
 
     argv = ["--registry-backend", "etcd://127.0.0.1:2379,[::1]:2380", "--etcd-prefix", "/f/"]
     config = cli.parse_config(argv, environ={})

@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from pdproxy.derender import AnswerContext, StreamTranslator, response_id, whole_answer
-from pdproxy.tokenize_once import fallback_reason, generate_body, rendered_request
 from pdproxy.types import ApiKind
+from pdproxy.wire.derender import AnswerContext, StreamTranslator, response_id, whole_answer
+from pdproxy.wire.tokenize_once import fallback_reason, generate_body, rendered_request
 
 CHAT, COMPLETIONS = ApiKind.CHAT, ApiKind.COMPLETIONS
 FP = "vllm-0.32.0-5e4d3f5f"
@@ -214,7 +214,7 @@ def test_response_id():
 
 def test_render_servers_need_render_once_and_decodes_that_answer_alone():
     from pdproxy.api.app import create_app
-    from pdproxy.config import ProxyConfig
+    from pdproxy.config.proxy import ProxyConfig
     from pdproxy.errors import ConfigError
     from pdproxy.types import EngineAddress
 
@@ -231,9 +231,9 @@ def test_render_servers_need_render_once_and_decodes_that_answer_alone():
 
 async def test_a_decode_that_cannot_be_asked_has_no_fingerprint_for_a_while():
     from engines.ports import free_port
-    from pdproxy.config import PoolLimits, Timeouts
-    from pdproxy.engine_client import EngineClient
-    from pdproxy.render_once import Fingerprints
+    from pdproxy.config.proxy import PoolLimits, Timeouts
+    from pdproxy.proxying.render_once import Fingerprints
+    from pdproxy.upstream.engine_client import EngineClient
 
     now = [100.0]
     client = EngineClient(Timeouts(connect=0.5, read=0.5), PoolLimits())

@@ -6,10 +6,16 @@ import sys
 
 import pytest
 
-from pdproxy.cli import parse_config
+from pdproxy.cli.main import parse_config
 from pdproxy.errors import ConfigError
-from pdproxy.request_context import RequestTrace
-from pdproxy.tracing import NULL_LEG_SPAN, NULL_REQUEST_SPAN, NullTracer, load_tracer, traces_url
+from pdproxy.observability.request_context import RequestTrace
+from pdproxy.observability.tracing import (
+    NULL_LEG_SPAN,
+    NULL_REQUEST_SPAN,
+    NullTracer,
+    load_tracer,
+    traces_url,
+)
 
 FLEET = ["--prefill", "a:1", "--decode", "b:2"]
 

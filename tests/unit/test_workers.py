@@ -8,10 +8,21 @@ import dataclasses
 
 import pytest
 
-from pdproxy.cli import parse_config
-from pdproxy.config import OutlierConfig
-from pdproxy.registry import EndpointRegistry
+from pdproxy.cli.main import parse_config
+from pdproxy.config.proxy import OutlierConfig
+from pdproxy.config.workers import RunDir, WorkerSpec
+from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.membership.workers.link import OwnerLink
+from pdproxy.membership.workers.snapshot import (
+    EndpointRecord,
+    Snapshot,
+    decode_snapshot,
+    encode_snapshot,
+    pack,
+    snapshot_of,
+)
 from pdproxy.resilience.outlier import OutlierDetector
+from pdproxy.runtime.restart import RestartBackoff
 from pdproxy.types import (
     Endpoint,
     EndpointState,
@@ -22,17 +33,6 @@ from pdproxy.types import (
     Role,
     Source,
 )
-from pdproxy.workers.link import OwnerLink
-from pdproxy.workers.restart import RestartBackoff
-from pdproxy.workers.snapshot import (
-    EndpointRecord,
-    Snapshot,
-    decode_snapshot,
-    encode_snapshot,
-    pack,
-    snapshot_of,
-)
-from pdproxy.workers.spec import RunDir, WorkerSpec
 
 P = "http://10.0.0.1:8100"
 D = "http://10.0.0.2:8200"
@@ -206,7 +206,7 @@ def test_the_owners_probes_replay_their_effect_on_this_workers_ejections(followe
 def test_the_owner_knows_the_resolved_port_and_every_process_the_hop(tmp_path):
     """Issue 19: the membership owner serves no HTTP, yet refuses pdproxy's own address as
     an instance; with ``--port 0`` only the supervisor knows which port that is."""
-    from pdproxy.workers.supervisor import _Supervisor
+    from pdproxy.runtime.supervisor import _Supervisor
 
     argv = ["--prefill", "a:1", "--decode", "c:3", "--port", "0", "--workers", "2"]
     config = parse_config(argv, {})

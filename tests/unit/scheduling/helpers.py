@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import random
 
+from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.scheduling.context import Context, RequestFeatures
 from pdproxy.scheduling.scheduler import Scheduler
-from pdproxy.scheduling_config import SchedulingConfig
 from pdproxy.types import Endpoint, EngineAddress, EngineLoad, RankLoad, Role, Snapshot, Source
 
 NOW = 1000.0

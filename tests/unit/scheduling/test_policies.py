@@ -5,10 +5,10 @@ from collections import Counter
 
 import pytest
 
+from pdproxy.config.scheduling import POLICIES, SchedulingConfig, canonical_policy
 from pdproxy.errors import ConfigError
 from pdproxy.scheduling.context import RequestFeatures
 from pdproxy.scheduling.policies import POLICY_FACTORIES, build_policy
-from pdproxy.scheduling_config import POLICIES, SchedulingConfig, canonical_policy
 from pdproxy.types import Role
 from tests.unit.scheduling.helpers import ctx, endpoint, with_load
 

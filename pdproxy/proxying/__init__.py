@@ -1,0 +1,7 @@
+"""The request path: one client request through the fleet, free of any web framework.
+``orchestrator`` runs a prefill/decode request, with its retries, over the two ``legs``;
+``passthrough`` serves a request whole on one instance and ``render_once`` renders a text
+request once; ``relay`` streams the decode's answer back as bytes, ``kv_release`` releases KV no
+decode will read, ``verdicts`` judges each leg for passive health, ``admission`` bounds the
+requests served at once, ``lifecycle`` holds readiness and the drain, ``exchange`` says what a
+request is and what goes back."""

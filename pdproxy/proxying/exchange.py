@@ -1,0 +1,32 @@
+"""What one client request is, and what goes back to the client; free of any web framework."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdproxy.proxying.relay import StreamRelay
+from pdproxy.types import ApiKind
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    kind: ApiKind
+    body: Mapping[str, Any]  # parsed once; never mutated
+    request_id: str | None  # the client's X-Request-Id header, unvalidated
+    authorization: str | None
+    session: str | None = None  # the --session-header's value (consistent-hash key)
+    via: str | None = None  # the Via its legs carry: the client's hops, then this pdproxy's
+
+
+@dataclass(slots=True)
+class ProxyResponse:
+    """What goes back to the client: a whole body, or a relay that must be closed."""
+
+    status: int
+    content_type: str
+    request_id: str
+    body: bytes = b""
+    stream: StreamRelay | None = None
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # the engine's own, relayed (pass-through)

@@ -1,0 +1,350 @@
+"""The two legs of one transfer over HTTP: each counted on its endpoint while it runs and
+judged once (``Verdicts``) when it ends.
+
+The prefill leg is clamped and read whole within ``--prefill-timeout-secs``; a non-2xx
+answer raises and no decode is sent. The decode leg's status, and for a stream its first
+bytes, are checked before anything reaches the client, so any failure up to then raises
+an ``UpstreamError`` the orchestrator may still retry. Concurrent connectors run both legs
+at once; a failed prefill aborts the waiting decode so a client never waits on KV that
+cannot come. A leg whose request cannot be built (a header the instance's registration
+made unsendable) fails as ``UpstreamRequestError`` against that instance: nothing was sent,
+so it is retried elsewhere like a connect failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from pdproxy.config.addresses import header_safe
+from pdproxy.config.proxy import Timeouts
+from pdproxy.connectors import KVConnector, Transfer
+from pdproxy.errors import (
+    ProxyError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamRequestError,
+    UpstreamServerError,
+    UpstreamStatusError,
+)
+from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.observability.request_context import RequestTrace, current
+from pdproxy.observability.tracing import LegSpan
+from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.relay import StreamRelay, StreamWatchdog
+from pdproxy.proxying.verdicts import Verdicts
+from pdproxy.types import Endpoint, PairDecision, Role
+from pdproxy.upstream.engine_client import EngineClient, UpstreamResponse
+from pdproxy.wire.shaping import decode_body, is_streaming, leg_headers
+
+logger = logging.getLogger(__name__)
+
+
+class Legs:
+    def __init__(
+        self,
+        *,
+        connector: KVConnector,
+        client: EngineClient,
+        timeouts: Timeouts,
+        verdicts: Verdicts,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self._connector = connector
+        self._client = client
+        self._timeouts = timeouts
+        self._verdicts = verdicts
+        self._metrics = metrics
+        self._background: set[asyncio.Task[Any]] = set()
+        self._watchdog = StreamWatchdog(client.read_timeout)
+        self._watchdog_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._watchdog_task = asyncio.create_task(self._watchdog.run())
+
+    async def aclose(self) -> None:
+        watchdog = [self._watchdog_task] if self._watchdog_task is not None else []
+        await cancel(*self._background, *watchdog)
+
+    async def prefill(
+        self, request: ClientRequest, transfer: Transfer, weight: float = 1.0
+    ) -> dict[str, Any]:
+        """Run the clamped prefill leg and return P's answer; ``weight`` is its size as the
+        scheduler counts it (``Endpoint.work``)."""
+        endpoint = transfer.decision.prefill
+        rank = transfer.decision.prefill_dp_rank
+        body = orjson.dumps(self._connector.prefill_body(request.body, transfer))
+        headers = leg_headers(transfer.request_id, request.authorization, rank, request.via)
+        trace = current()
+        span = trace.prefill_started(transfer.request_id, endpoint.url, rank, headers)
+        started = time.perf_counter()
+        self._enter(endpoint, rank, weight)
+        try:
+            try:
+                upstream = await self._client.post(
+                    endpoint.url + request.kind.path,
+                    body,
+                    headers,
+                    leg="prefill",
+                    stream=False,
+                    within=self._timeouts.prefill,
+                )
+            except ValueError as exc:  # http1 builds the head before anything is sent
+                raise unbuildable(endpoint, transfer.decision) from exc
+            answer = _prefill_answer(upstream, await upstream.read_all())
+        except ProxyError as error:
+            self._failed(at_fault(error, endpoint, transfer.decision), error, span, trace)
+            raise
+        except BaseException:
+            self._abandoned(endpoint, span)
+            raise
+        finally:
+            leave(endpoint, rank, weight)
+            trace.prefill_ended = ended = time.perf_counter()
+        self._metrics.prefill_seconds.observe(ended - started)
+        trace.prefill_answered = ended
+        span.end(None)
+        self._verdicts.success(endpoint)
+        return answer
+
+    async def decode(
+        self, request: ClientRequest, transfer: Transfer, prefill_answer: Mapping[str, Any] | None
+    ) -> ProxyResponse:
+        """Open the decode leg; its status (and a stream's first bytes) are checked before
+        the client's response starts."""
+        body = self._connector.decode_body(request.body, transfer, prefill_answer)
+        if prefill_answer is not None and "kv_transfer_params" not in prefill_answer:
+            self._metrics.kv_params_missing.inc()
+        decision = transfer.decision
+        rank = decision.decode_dp_rank if self._connector.routes_decode_rank else None
+        leg = _DecodeLeg(decision.decode, rank, transfer.request_id, prefill_answer, decision)
+        return await self._open(request, leg, body)
+
+    async def single(
+        self, request: ClientRequest, decode: Endpoint, request_id: str, rank: int | None
+    ) -> ProxyResponse:
+        """A decode-only request: the client's body as a plain request (no KV params, the
+        client's own stripped), checked like a decode leg."""
+        current().decode_only = True
+        leg = _DecodeLeg(decode, rank, request_id, None)
+        return await self._open(request, leg, decode_body(request.body, None))
+
+    async def _open(
+        self, request: ClientRequest, leg: _DecodeLeg, body: Mapping[str, Any]
+    ) -> ProxyResponse:
+        endpoint, rank = leg.endpoint, leg.rank
+        headers = leg_headers(leg.request_id, request.authorization, rank, request.via)
+        trace = current()
+        span = trace.decode_started(leg.request_id, endpoint.url, headers)
+        streaming = is_streaming(request.body)
+        self._enter(endpoint, rank)
+        try:
+            try:
+                upstream = await self._client.post(
+                    endpoint.url + request.kind.path,
+                    orjson.dumps(body),
+                    headers,
+                    leg="decode",
+                    stream=streaming,
+                    headers_within=self._timeouts.decode_headers,
+                )
+            except ValueError as exc:  # http1 builds the head before anything is sent
+                raise unbuildable(endpoint, leg.pair) from exc
+            self._headers_arrived(trace, upstream.status < 300 and streaming)
+            if streaming and upstream.status < 300:
+                return await self._stream(upstream, leg, span, trace)
+            response = _whole_answer(upstream, await upstream.read_all(), leg.request_id)
+        except ProxyError as error:
+            leave(endpoint, rank)
+            self._failed(at_fault(error, endpoint, leg.pair), error, span, trace)
+            raise
+        except BaseException:
+            leave(endpoint, rank)
+            self._abandoned(endpoint, span)
+            raise
+        leave(endpoint, rank)
+        self._succeeded(endpoint, leg.prefill_answer)
+        span.end(None)
+        return response
+
+    def _enter(self, endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
+        enter(endpoint, rank, weight)
+        self._metrics.count_leg(endpoint.role.value, endpoint.url)
+
+    def _failed(
+        self, endpoint: Endpoint, error: ProxyError, span: LegSpan, trace: RequestTrace
+    ) -> None:
+        """A leg failed before the client's response started (it may be retried)."""
+        self._verdicts.judge(endpoint, error)
+        trace.leg_failed()
+        span.end(type(error).__name__)
+
+    def _abandoned(self, endpoint: Endpoint, span: LegSpan) -> None:
+        self._verdicts.abandoned(endpoint)
+        span.end("abandoned")
+
+    def _headers_arrived(self, trace: RequestTrace, streamed: bool) -> None:
+        """The decode's headers are here; a stream's wait for them is observed."""
+        trace.decode_headers = now = time.perf_counter()
+        if streamed and trace.decode_sent is not None:
+            self._metrics.decode_headers_seconds.observe(now - trace.decode_sent)
+
+    def _succeeded(self, decode: Endpoint, prefill_answer: Mapping[str, Any] | None) -> None:
+        self._verdicts.success(decode)
+        source = self._connector.kv_source(prefill_answer) if prefill_answer else None
+        if source is not None:
+            decode.read_from(source)
+
+    async def _stream(
+        self, upstream: UpstreamResponse, leg: _DecodeLeg, span: LegSpan, trace: RequestTrace
+    ) -> ProxyResponse:
+        """Wait for the stream's first bytes; from then on the relay owns the leg (and
+        uncounts it when it closes). Raises with the leg uncounted."""
+        relay = StreamRelay(upstream, lambda: None, self._watchdog)
+        try:
+            await relay.prime()
+        except BaseException:
+            relay.close()
+            raise
+        if leg.prefill_answer is not None and trace.prefill_answered is not None:
+            # Serial legs: P answered, then D read the KV and made its first token.
+            self._metrics.kv_handoff_seconds.observe(time.perf_counter() - trace.prefill_answered)
+        relay.when_closed(lambda: self._stream_closed(leg, relay, span))
+        self._succeeded(leg.endpoint, leg.prefill_answer)
+        return ProxyResponse(200, "text/event-stream", leg.request_id, stream=relay)
+
+    def _stream_closed(self, leg: _DecodeLeg, relay: StreamRelay, span: LegSpan) -> None:
+        leave(leg.endpoint, leg.rank)
+        failure = relay.failure
+        if isinstance(failure, UpstreamError) and failure.leg == "decode":
+            self._verdicts.judge(leg.endpoint, failure)
+        span.end(None if failure is None else type(failure).__name__)
+
+    async def concurrent(self, request: ClientRequest, transfer: Transfer) -> ProxyResponse:
+        """Send P and D together (push/WRITE transfers); a failed P aborts D."""
+        prefill = asyncio.create_task(self.prefill(request, transfer))
+        decode = asyncio.create_task(self.decode(request, transfer, None))
+        try:
+            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done():
+                prefill.result()  # re-raises a failed prefill before waiting on the decode
+            response = await decode
+        except BaseException:
+            await cancel(prefill, decode)
+            raise
+        if response.stream is not None:
+            self._watch_prefill(prefill, response.stream)
+        elif not prefill.done():
+            self._keep(prefill)
+        return response
+
+    def _watch_prefill(self, prefill: asyncio.Task[Any], relay: StreamRelay) -> None:
+        """Abort the relay if P fails after D's stream has started."""
+
+        def on_done(task: asyncio.Task[Any]) -> None:
+            error = None if task.cancelled() else task.exception()
+            if isinstance(error, ProxyError):
+                relay.abort(error)
+
+        prefill.add_done_callback(on_done)
+        self._keep(prefill)
+
+    def _keep(self, task: asyncio.Task[Any]) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_consume_result)
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeLeg:
+    endpoint: Endpoint
+    rank: int | None
+    request_id: str
+    prefill_answer: Mapping[str, Any] | None
+    pair: PairDecision | None = None  # None: a decode-only request
+
+
+def enter(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
+    """Count a leg on ``endpoint`` (and its DP rank) while it runs; ``weight`` is its size
+    for the scheduler (a prefill's prompt over the typical one)."""
+    endpoint.in_flight += 1
+    endpoint.work += weight
+    if rank is not None:
+        counts = endpoint.rank_in_flight
+        if len(counts) <= rank:
+            counts.extend([0] * (rank + 1 - len(counts)))
+        counts[rank] += 1
+
+
+def leave(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
+    endpoint.in_flight -= 1
+    idle = not endpoint.in_flight and not endpoint.reserved
+    endpoint.work = 0.0 if idle else endpoint.work - weight  # no float drift
+    if rank is not None and rank < len(endpoint.rank_in_flight):
+        endpoint.rank_in_flight[rank] -= 1
+
+
+def unbuildable(endpoint: Endpoint, pair: PairDecision | None) -> UpstreamRequestError:
+    """The error of a leg to ``endpoint`` whose request could not be built. At fault is the
+    instance whose registered KV address (in the pair's request id) cannot be sent, else
+    ``endpoint``; the error's ``leg`` is that instance's role, so the retry replaces it."""
+    culprit = endpoint
+    if pair is not None:
+        unsafe = [e for e in (pair.prefill, pair.decode) if not header_safe(e.kv_address)]
+        culprit = unsafe[0] if unsafe else endpoint
+    leg = "prefill" if culprit.role is Role.PREFILL else "decode"
+    return UpstreamRequestError(
+        f"cannot build a request for {leg} engine {culprit.url}: what it registered cannot be sent",
+        leg=leg,
+    )
+
+
+def at_fault(error: ProxyError, endpoint: Endpoint, pair: PairDecision | None) -> Endpoint:
+    """The instance a leg's failure counts against: the one whose registration made its
+    request unbuildable, else the leg's own."""
+    if isinstance(error, UpstreamRequestError) and pair is not None:
+        return pair.prefill if error.leg == "prefill" else pair.decode
+    return endpoint
+
+
+def _prefill_answer(upstream: UpstreamResponse, data: bytes) -> dict[str, Any]:
+    if upstream.status >= 500:
+        raise UpstreamServerError(leg="prefill", status=upstream.status)
+    if upstream.status >= 300:
+        raise UpstreamStatusError(
+            leg="prefill", status=upstream.status, body=data, content_type=upstream.content_type
+        )
+    try:
+        answer = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamProtocolError(
+            "prefill engine answered with invalid JSON", leg="prefill"
+        ) from exc
+    if not isinstance(answer, dict):
+        raise UpstreamProtocolError("prefill engine answered with a non-object", leg="prefill")
+    return answer
+
+
+def _whole_answer(upstream: UpstreamResponse, data: bytes, request_id: str) -> ProxyResponse:
+    if upstream.status >= 300:
+        raise UpstreamStatusError(
+            leg="decode", status=upstream.status, body=data, content_type=upstream.content_type
+        )
+    return ProxyResponse(upstream.status, upstream.content_type, request_id, body=data)
+
+
+def _consume_result(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("background prefill ended with %r", task.exception())
+
+
+async def cancel(*tasks: asyncio.Task[Any]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

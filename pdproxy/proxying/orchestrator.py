@@ -1,0 +1,323 @@
+"""One request's prefill/decode flow, free of any web framework, with its retries.
+
+pick a pair → the connector fixes the ids → prefill leg → decode leg (``Legs``). A leg that
+fails before anything reached the client is retried on another instance of its role
+(never the one that just failed), up to ``--max-retries`` per request and within the
+fleet-wide retry budget. The connector decides the retry's scope: a decode retry reuses
+the prefill's answer only where the KV is certainly still readable by another decode;
+otherwise the pair is re-run with a fresh transfer, and the prefill's KV, which no decode
+will read, is released (``KVRelease``). Once every instance of a role was tried, the next
+pass waits an exponential backoff with jitter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdproxy.config.proxy import RetryConfig
+from pdproxy.connectors import KVConnector, Transfer
+from pdproxy.errors import NoEndpointAvailable, UpstreamError
+from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.observability.request_context import bind_request_id
+from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.kv_release import KVRelease
+from pdproxy.proxying.legs import Legs
+from pdproxy.resilience.outlier import OutlierDetector
+from pdproxy.resilience.retry import Backoff, RetryBudget, retry_reason
+from pdproxy.scheduling.context import RequestFeatures
+from pdproxy.scheduling.scheduler import NO_PREFILL, Scheduler
+from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
+from pdproxy.wire.shaping import client_request_id
+
+__all__ = ["ClientRequest", "Orchestrator", "ProxyResponse"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Run:
+    """One request's scheduling features and retry state."""
+
+    features: RequestFeatures
+    retries_left: int
+    tried: dict[Role, set[str]] = field(
+        default_factory=lambda: {Role.PREFILL: set(), Role.DECODE: set()}
+    )
+    last_failed: dict[Role, str] = field(default_factory=dict)
+    rounds: int = 0  # passes over an exhausted role, for the backoff
+    trials: list[Endpoint] = field(default_factory=list)  # half-open trials it took
+    reserved: Endpoint | None = None  # the decode waiting on this request's prefill
+
+    def reserve(self, decode: Endpoint) -> None:
+        """Count the request on its decode while the prefill runs: a burst must not herd
+        onto the decode that looked idle because none of its legs had started yet."""
+        if decode is not self.reserved:
+            self.unreserve()
+            decode.reserved += 1
+            decode.work += 1.0
+            self.reserved = decode
+
+    def unreserve(self) -> None:
+        decode = self.reserved
+        if decode is not None:
+            decode.reserved -= 1
+            decode.work = decode.work - 1.0 if decode.in_flight or decode.reserved else 0.0
+            self.reserved = None
+
+
+def _log_decision(transfer: Transfer, why: str) -> None:
+    bind_request_id(transfer.request_id)  # the connector fixed it: log lines carry it
+    if logger.isEnabledFor(logging.DEBUG):
+        decision = transfer.decision
+        logger.debug(
+            "%s: %s to prefill %s (dp rank %s), decode %s",
+            transfer.request_id,
+            why,
+            decision.prefill.url,
+            decision.prefill_dp_rank,
+            decision.decode.url,
+        )
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        *,
+        registry: EndpointRegistry,
+        scheduler: Scheduler,
+        connector: KVConnector,
+        legs: Legs,
+        outliers: OutlierDetector,
+        release: KVRelease,
+        retry: RetryConfig,
+        budget: RetryBudget,
+        metrics: ProxyMetrics,
+        rng: random.Random,
+    ) -> None:
+        self._registry = registry
+        self._scheduler = scheduler
+        self._connector = connector
+        self._legs = legs
+        self._outliers = outliers
+        self._release = release
+        self._max_retries = retry.max_retries
+        self._backoff = Backoff(
+            retry.initial_backoff, retry.max_backoff, retry.backoff_multiplier, retry.jitter
+        )
+        self._budget = budget
+        self._metrics = metrics
+        self._rng = rng
+
+    def start(self) -> None:
+        self._legs.start()
+
+    async def aclose(self) -> None:
+        await self._legs.aclose()
+
+    async def handle(self, request: ClientRequest) -> ProxyResponse:
+        self._budget.on_request()
+        run = _Run(self._scheduler.features(request.body, request.session), self._max_retries)
+        try:
+            return await self._handle(request, run)
+        finally:
+            run.unreserve()
+            if run.trials:
+                self._free_unused_trials(run)
+
+    def _free_unused_trials(self, run: _Run) -> None:
+        """A half-open trial this request took but never sent a leg to (the other leg
+        failed first) must not keep the instance out forever."""
+        for endpoint in run.trials:
+            if endpoint.in_flight == 0:
+                self._outliers.on_abandoned(endpoint)
+
+    async def _handle(self, request: ClientRequest, run: _Run) -> ProxyResponse:
+        decision = self._pick(run)
+        if isinstance(decision, DecodeOnly):
+            return await self._decode_only(request, run, decision)
+        transfer = self._connector.begin(decision, request.request_id)
+        _log_decision(transfer, "routed")
+        answer: dict[str, Any] | None = None
+        while True:
+            decoding = False
+            try:
+                if self._connector.runs_concurrently(transfer):
+                    return await self._legs.concurrent(request, transfer)
+                if answer is None:
+                    run.reserve(transfer.decision.decode)
+                    started = time.perf_counter()
+                    weight = self._scheduler.speeds.weight(run.features.tokens)
+                    answer = await self._legs.prefill(request, transfer, weight)
+                    self._scheduler.speeds.observe(
+                        transfer.decision.prefill,
+                        time.perf_counter() - started,
+                        run.features.tokens,
+                    )
+                run.unreserve()
+                decoding = True
+                return await self._legs.decode(request, transfer, answer)
+            except UpstreamError as error:
+                failure = error
+            except asyncio.CancelledError:
+                # The client left. A decode that had the leg aborts it and vLLM frees P's
+                # KV; between the legs nobody would.
+                if answer is not None and not decoding:
+                    self._release.orphaned(request, transfer, answer, failed=None)
+                raise
+            if self._prefills_exhausted(run, transfer, failure):
+                run.unreserve()
+                decision = transfer.decision
+                fallback = DecodeOnly(decision.decode, NO_PREFILL, decision.decode_dp_rank)
+                return await self._decode_only(request, run, fallback)
+            try:
+                transfer, answer = await self._recover(run, request, transfer, answer, failure)
+            except asyncio.CancelledError:
+                if answer is not None:  # the client left during a backoff
+                    self._release.orphaned(request, transfer, answer, failed=None)
+                raise
+
+    def _prefills_exhausted(self, run: _Run, transfer: Transfer, failure: UpstreamError) -> bool:
+        """Under ``--decode-only-fallback``: a retryable prefill failure with every other
+        prefill already tried by this request (or none left) goes to the decode alone."""
+        if not self._scheduler.decode_only_fallback or failure.leg != "prefill":
+            return False
+        if retry_reason(failure) is None:
+            return False
+        tried = run.tried[Role.PREFILL] | {transfer.decision.prefill.url}
+        return not self._usable(self._pool(Role.PREFILL), tried)
+
+    async def _decode_only(
+        self, request: ClientRequest, run: _Run, decision: DecodeOnly
+    ) -> ProxyResponse:
+        """The request as a plain one on a decode, retried on another decode like a
+        decode leg (before the first byte, within the budget)."""
+        self._metrics.count_decode_only(decision.reason)
+        request_id = client_request_id(request.request_id)
+        bind_request_id(request_id)
+        decode, rank = decision.decode, decision.decode_dp_rank
+        logger.debug("%s: decode only (%s) on %s", request_id, decision.reason, decode.url)
+        while True:
+            try:
+                return await self._legs.single(request, decode, request_id, rank)
+            except UpstreamError as error:
+                reason = retry_reason(error)
+                if reason is None or not self._may_retry(run, error.leg, reason):
+                    raise
+                run.tried[Role.DECODE].add(decode.url)
+                run.last_failed[Role.DECODE] = decode.url
+                try:
+                    decode, rank = await self._another(run, Role.DECODE)
+                except NoEndpointAvailable:
+                    raise error from None
+
+    async def _recover(
+        self,
+        run: _Run,
+        request: ClientRequest,
+        transfer: Transfer,
+        answer: dict[str, Any] | None,
+        error: UpstreamError,
+    ) -> tuple[Transfer, dict[str, Any] | None]:
+        """The transfer (and reusable prefill answer) to try next; re-raises ``error`` when
+        it must not or cannot be retried.
+
+        A decode that failed by its own fault may have left P's KV unread; one that
+        rejected the leg (a 4xx) has told P itself (vLLM's rejection cleanup).
+        """
+        role = Role.PREFILL if error.leg == "prefill" else Role.DECODE
+        failed = transfer.decision.prefill if role is Role.PREFILL else transfer.decision.decode
+        reason = retry_reason(error)
+        if reason is None:
+            raise error
+        if not self._may_retry(run, error.leg, reason):
+            self._orphan(request, transfer, answer, failed)
+            raise error
+        run.tried[role].add(failed.url)
+        run.last_failed[role] = failed.url
+        try:
+            decision = await self._repick(run, transfer.decision, role)
+        except NoEndpointAvailable:
+            self._orphan(request, transfer, answer, failed)
+            raise error from None
+        logger.debug("%s: %s leg failed (%s), retrying", transfer.request_id, error.leg, reason)
+        if answer is not None:
+            if self._connector.decode_retry_reuses_prefill(transfer, reason):
+                retried = dataclasses.replace(transfer, decision=decision)
+                _log_decision(retried, "decode retried with the same prefill")
+                return retried, answer
+            self._orphan(request, transfer, answer, failed)
+        fresh = self._connector.begin(decision, request.request_id)
+        _log_decision(fresh, "retried")
+        return fresh, None
+
+    def _orphan(
+        self,
+        request: ClientRequest,
+        transfer: Transfer,
+        answer: dict[str, Any] | None,
+        failed: Endpoint,
+    ) -> None:
+        if answer is not None:
+            self._release.orphaned(request, transfer, answer, failed=failed)
+
+    def _may_retry(self, run: _Run, leg: str, reason: str) -> bool:
+        if run.retries_left <= 0:
+            return False
+        if not self._budget.try_spend():
+            self._metrics.retry_budget_exhausted.labels(leg).inc()
+            return False
+        run.retries_left -= 1
+        self._metrics.count_retry(leg, reason)
+        return True
+
+    def _pick(self, run: _Run) -> PairDecision | DecodeOnly:
+        snapshot = self._registry.snapshot()
+        view = Snapshot(
+            prefill=self._usable(snapshot.prefill, ()), decode=self._usable(snapshot.decode, ())
+        )
+        decision = self._scheduler.schedule(run.features, view)
+        if isinstance(decision, PairDecision):
+            self._picked(run, decision.prefill)
+        self._picked(run, decision.decode)
+        return decision
+
+    def _picked(self, run: _Run, endpoint: Endpoint) -> None:
+        if self._outliers.on_pick(endpoint):
+            run.trials.append(endpoint)
+
+    async def _repick(self, run: _Run, decision: PairDecision, role: Role) -> PairDecision:
+        """``decision`` with another instance of ``role``."""
+        chosen, rank = await self._another(run, role)
+        if role is Role.PREFILL:
+            return dataclasses.replace(decision, prefill=chosen, prefill_dp_rank=rank)
+        return dataclasses.replace(decision, decode=chosen, decode_dp_rank=rank)
+
+    async def _another(self, run: _Run, role: Role) -> tuple[Endpoint, int | None]:
+        """An instance of ``role`` this request has not tried yet, and its DP rank."""
+        candidates = self._usable(self._pool(role), run.tried[role])
+        if not candidates:
+            # Every instance of the role was tried: back off, then anyone but the last
+            # to fail (or it, if it is the only one).
+            await asyncio.sleep(self._backoff.delay(run.rounds, self._rng))
+            run.rounds += 1
+            run.tried[role].clear()
+            pool = self._pool(role)
+            candidates = self._usable(pool, {run.last_failed[role]}) or self._usable(pool, ())
+        chosen, rank = self._scheduler.pick(role, run.features, candidates)
+        self._picked(run, chosen)
+        return chosen, rank
+
+    def _pool(self, role: Role) -> tuple[Endpoint, ...]:
+        snapshot = self._registry.snapshot()
+        return snapshot.prefill if role is Role.PREFILL else snapshot.decode
+
+    def _usable(self, pool: tuple[Endpoint, ...], avoid: Collection[str]) -> tuple[Endpoint, ...]:
+        return self._outliers.usable(pool, avoid)  # shared with the pass-through endpoints

@@ -1,0 +1,293 @@
+"""Pass-through requests: the client's request on ONE decode instance, no prefill, no KV
+transfer (which endpoints, and why: ``pdproxy.wire.routes``).
+
+pick (the decode policy over the usable decodes; a ``/v1/responses`` follow-up goes to the
+instance its previous response is pinned to) → send the body as it came (a
+``/v1/responses`` one named for that instance) → check the status, and a stream's first
+bytes, before anything reaches the client → relay the answer whole, or the stream chunk by
+chunk (``StreamRelay``; an engine that dies mid-stream ends it with one error event).
+
+A failure before the client's response started is retried on another decode exactly as a
+decode leg is: the same retry-safe reasons (``resilience.retry``), ``--max-retries`` per
+request, the fleet-wide retry budget shared with the generation endpoints, backoff once
+every decode was tried. A pinned response is never retried elsewhere: no other instance
+holds its conversation. The leg counts on its instance while it runs and is judged once
+(``Verdicts``), like any decode leg; a leg whose request cannot be built fails against its
+instance as nothing sent (``legs.unbuildable``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from pdproxy.config.proxy import RetryConfig, Timeouts
+from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamError, UpstreamStatusError
+from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.observability.request_context import bind_request_id, current
+from pdproxy.observability.tracing import LegSpan
+from pdproxy.proxying.exchange import ProxyResponse
+from pdproxy.proxying.legs import cancel, enter, leave, unbuildable
+from pdproxy.proxying.relay import RESPONSES_SSE, StreamRelay, StreamWatchdog
+from pdproxy.proxying.verdicts import Verdicts
+from pdproxy.resilience.outlier import OutlierDetector
+from pdproxy.resilience.retry import Backoff, RetryBudget, retry_reason
+from pdproxy.scheduling.context import RequestFeatures
+from pdproxy.scheduling.scheduler import Scheduler
+from pdproxy.types import Endpoint, Role
+from pdproxy.upstream.engine_client import EngineClient, UpstreamResponse
+from pdproxy.wire.routes import PREVIOUS_RESPONSE_ID, PassthroughRoute, pinned, responses_body
+from pdproxy.wire.shaping import MODEL, client_request_id, is_streaming, leg_headers
+
+logger = logging.getLogger(__name__)
+
+LEG = "decode"  # the leg label of its errors, retries and metrics: it runs on a decode
+# Engine response headers a client needs besides the body: vLLM's binary embeddings
+# (encoding_format "bytes") carry their shapes and usage in "metadata".
+_RELAYED_HEADERS = ("metadata",)
+
+
+@dataclass(frozen=True, slots=True)
+class PassthroughRequest:
+    route: PassthroughRoute
+    body: Mapping[str, Any] | None  # parsed once (None for a GET); never mutated
+    raw: bytes  # the body as it came, sent as it is unless it must be named
+    request_id: str | None  # the client's X-Request-Id header, unvalidated
+    authorization: str | None
+    session: str | None = None  # the --session-header's value (consistent-hash key)
+    via: str | None = None  # the Via its leg carries: the client's hops, then this pdproxy's
+
+
+@dataclass(slots=True)
+class _Run:
+    """One request's retry state."""
+
+    features: RequestFeatures
+    retries_left: int
+    tried: set[str] = field(default_factory=set)
+    last_failed: str = ""
+    rounds: int = 0  # passes over every decode, for the backoff
+
+
+class Passthrough:
+    def __init__(
+        self,
+        *,
+        registry: EndpointRegistry,
+        scheduler: Scheduler,
+        client: EngineClient,
+        timeouts: Timeouts,
+        verdicts: Verdicts,
+        outliers: OutlierDetector,
+        retry: RetryConfig,
+        budget: RetryBudget,
+        metrics: ProxyMetrics,
+        rng: random.Random,
+        pool: Callable[[], tuple[Endpoint, ...]] | None = None,
+    ) -> None:
+        self._registry = registry
+        # Where the instances come from: the decodes, or another pool (--render's servers).
+        self._pool = pool or (lambda: registry.snapshot().decode)
+        self._scheduler = scheduler
+        self._client = client
+        self._timeouts = timeouts
+        self._verdicts = verdicts
+        self._outliers = outliers
+        self._max_retries = retry.max_retries
+        self._backoff = Backoff(
+            retry.initial_backoff, retry.max_backoff, retry.backoff_multiplier, retry.jitter
+        )
+        self._budget = budget
+        self._metrics = metrics
+        self._rng = rng
+        self._watchdog = StreamWatchdog(client.read_timeout)
+        self._watchdog_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._watchdog_task = asyncio.create_task(self._watchdog.run())
+
+    async def aclose(self) -> None:
+        if self._watchdog_task is not None:
+            await cancel(self._watchdog_task)
+
+    async def handle(self, request: PassthroughRequest) -> ProxyResponse:
+        """The engine's answer (whole, or a primed stream the caller must close); raises
+        ``ProxyError`` when no decode could answer."""
+        self._budget.on_request()
+        request_id = client_request_id(request.request_id)
+        bind_request_id(request_id)
+        run = _Run(_features(request), self._max_retries)
+        home = self._home(request)
+        endpoint, rank = self._pick(run, (home,) if home else self._usable(()))
+        while True:
+            try:
+                return await self._send(request, endpoint, rank, request_id)
+            except UpstreamError as error:
+                reason = retry_reason(error)
+                if home is not None or reason is None or not self._may_retry(run, reason):
+                    raise
+                logger.debug("%s: %s failed (%s), retrying", request_id, endpoint.url, reason)
+                run.tried.add(endpoint.url)
+                run.last_failed = endpoint.url
+                try:
+                    endpoint, rank = await self._another(run)
+                except NoEndpointAvailable:
+                    raise error from None
+
+    def _home(self, request: PassthroughRequest) -> Endpoint | None:
+        """The routable decode a ``/v1/responses`` follow-up's conversation is pinned to."""
+        if not request.route.responses or request.body is None:
+            return None
+        previous = request.body.get(PREVIOUS_RESPONSE_ID)
+        return pinned(previous, self._registry.snapshot().decode)
+
+    def _usable(self, avoid: Collection[str]) -> tuple[Endpoint, ...]:
+        return self._outliers.usable(self._pool(), avoid)
+
+    def _pick(self, run: _Run, candidates: tuple[Endpoint, ...]) -> tuple[Endpoint, int | None]:
+        endpoint, rank = self._scheduler.pick(Role.DECODE, run.features, candidates)
+        self._outliers.on_pick(endpoint)  # a half-open one: this leg is its trial
+        return endpoint, rank
+
+    async def _another(self, run: _Run) -> tuple[Endpoint, int | None]:
+        """A decode this request has not tried; once all were, after a backoff, anyone but
+        the last to fail (or it, if it is the only one)."""
+        candidates = self._usable(run.tried)
+        if not candidates:
+            await asyncio.sleep(self._backoff.delay(run.rounds, self._rng))
+            run.rounds += 1
+            run.tried.clear()
+            candidates = self._usable({run.last_failed}) or self._usable(())
+        return self._pick(run, candidates)
+
+    def _may_retry(self, run: _Run, reason: str) -> bool:
+        if run.retries_left <= 0:
+            return False
+        if not self._budget.try_spend():
+            self._metrics.retry_budget_exhausted.labels(LEG).inc()
+            return False
+        run.retries_left -= 1
+        self._metrics.count_retry(LEG, reason)
+        return True
+
+    async def _send(
+        self, request: PassthroughRequest, endpoint: Endpoint, rank: int | None, request_id: str
+    ) -> ProxyResponse:
+        """One leg; its status (and a stream's first bytes) are checked before the client's
+        response starts. Raises with the leg uncounted."""
+        route = request.route
+        rank = rank if route.responses else None  # only vLLM's generation reads the header
+        streaming = route.responses and request.body is not None and is_streaming(request.body)
+        headers = leg_headers(request_id, request.authorization, rank, request.via)
+        trace = current()
+        span = trace.decode_started(request_id, endpoint.url, headers)
+        enter(endpoint, rank)
+        self._metrics.count_leg(endpoint.role.value, endpoint.url)
+        try:
+            try:
+                upstream = await self._open(request, endpoint, headers, streaming)
+            except ValueError as exc:  # http1 builds the head before anything is sent
+                raise unbuildable(endpoint, None) from exc
+            trace.decode_headers = time.perf_counter()
+            if streaming and upstream.status < 300:
+                return await self._stream(upstream, endpoint, rank, request_id, span)
+            response = _whole_answer(upstream, await upstream.read_all(), request_id)
+        except ProxyError as error:
+            leave(endpoint, rank)
+            self._verdicts.judge(endpoint, error)
+            trace.leg_failed()
+            span.end(type(error).__name__)
+            raise
+        except BaseException:
+            leave(endpoint, rank)
+            self._verdicts.abandoned(endpoint)
+            span.end("abandoned")
+            raise
+        leave(endpoint, rank)
+        self._verdicts.success(endpoint)
+        span.end(None)
+        return response
+
+    async def _open(
+        self,
+        request: PassthroughRequest,
+        endpoint: Endpoint,
+        headers: dict[str, str],
+        streaming: bool,
+    ) -> UpstreamResponse:
+        url = endpoint.url + request.route.path
+        if request.route.method == "GET":
+            del headers["Content-Type"]
+            return await self._client.get(url, headers, leg=LEG)
+        body = request.raw
+        if request.route.responses and request.body is not None:
+            body = orjson.dumps(responses_body(request.body, endpoint.url))
+        if not streaming:
+            return await self._client.post(url, body, headers, leg=LEG, stream=False)
+        return await self._client.post(
+            url, body, headers, leg=LEG, stream=True, headers_within=self._timeouts.decode_headers
+        )
+
+    async def _stream(
+        self,
+        upstream: UpstreamResponse,
+        endpoint: Endpoint,
+        rank: int | None,
+        request_id: str,
+        span: LegSpan,
+    ) -> ProxyResponse:
+        """Wait for the stream's first bytes; from then on the relay owns the leg (and
+        uncounts it when it closes)."""
+        relay = StreamRelay(upstream, lambda: None, self._watchdog, RESPONSES_SSE)
+        try:
+            await relay.prime()
+        except BaseException:
+            relay.close()
+            raise
+        relay.when_closed(lambda: self._stream_closed(endpoint, rank, relay, span))
+        self._verdicts.success(endpoint)
+        return ProxyResponse(200, upstream.content_type, request_id, stream=relay)
+
+    def _stream_closed(
+        self, endpoint: Endpoint, rank: int | None, relay: StreamRelay, span: LegSpan
+    ) -> None:
+        leave(endpoint, rank)
+        failure = relay.failure
+        if isinstance(failure, UpstreamError) and failure.leg == LEG:
+            self._verdicts.judge(endpoint, failure)
+        span.end(None if failure is None else type(failure).__name__)
+
+
+def _features(request: PassthroughRequest) -> RequestFeatures:
+    """What the decode policy sees: the model (for its model filter) and a session key
+    (for consistent hashing: the session header, else the body's ``user``)."""
+    body = request.body or {}
+    model = body.get(MODEL)
+    session = request.session
+    if session is None:
+        user = body.get("user")
+        session = user if isinstance(user, str) and user else None
+    return RequestFeatures(model=model if isinstance(model, str) else None, session=session)
+
+
+def _whole_answer(upstream: UpstreamResponse, data: bytes, request_id: str) -> ProxyResponse:
+    if upstream.status >= 300:
+        raise UpstreamStatusError(
+            leg=LEG, status=upstream.status, body=data, content_type=upstream.content_type
+        )
+    relayed = tuple(
+        (name.encode("latin-1"), value.encode("latin-1"))
+        for name in _RELAYED_HEADERS
+        if (value := upstream.header(name)) is not None
+    )
+    return ProxyResponse(
+        upstream.status, upstream.content_type, request_id, body=data, headers=relayed
+    )

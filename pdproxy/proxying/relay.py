@@ -1,0 +1,248 @@
+"""Relays a decode engine's SSE stream to the client as bytes, never re-parsing chunks.
+
+The only inspection is the stream's tail: a vLLM completions or chat stream always ends
+with ``data: [DONE]`` (a Responses API stream with its terminal event: ``Framing``), so a
+stream that ends without it was cut, and the client gets one OpenAI-style error event
+instead of a silent truncation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import orjson
+
+from pdproxy.errors import ProxyError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from pdproxy.upstream.engine_client import UpstreamResponse
+
+_DONE = b"data: [DONE]"
+SSE_DONE = _DONE + b"\n\n"
+_TAIL = 32
+
+
+def sse_error_event(error: ProxyError) -> bytes:
+    """One terminal SSE error event, followed by ``[DONE]`` as vLLM does after an error."""
+    return b"data: " + orjson.dumps(error.to_dict()) + b"\n\ndata: [DONE]\n\n"
+
+
+def responses_error_event(error: ProxyError) -> bytes:
+    """A Responses API stream's terminal error event (no ``[DONE]``: that API has none);
+    its ``error`` object makes OpenAI's SDKs raise, as for the other streams."""
+    return b"event: error\ndata: " + orjson.dumps(error.to_dict()) + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """How an engine's stream ends: a complete one's last bytes (trailing whitespace
+    stripped) end with one of ``ends``; a cut one is ended with ``error_event``."""
+
+    ends: tuple[bytes, ...]
+    error_event: Callable[[ProxyError], bytes]
+    tail: int = _TAIL  # bytes of the stream's end kept to check it
+
+
+OPENAI_SSE = Framing((_DONE,), sse_error_event)
+# vLLM's /v1/responses stream ends with its terminal event, whose JSON ends with its type
+# (pydantic dumps the openai models' fields in order: ..., sequence_number, type).
+RESPONSES_SSE = Framing(
+    tuple(
+        b'"type":"%s"}' % name
+        for name in (b"response.completed", b"response.incomplete", b"response.failed", b"error")
+    ),
+    responses_error_event,
+    tail=48,
+)
+
+
+class StreamWatchdog:
+    """Aborts streams whose engine stayed silent longer than ``idle_timeout``.
+
+    One timer for all streams, checked every ``interval``, instead of a timer re-armed on
+    every chunk of every stream: a stream's only per-chunk cost is stamping its clock.
+    """
+
+    def __init__(self, idle_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.idle_timeout = idle_timeout
+        self.clock = clock
+        self.interval = min(1.0, idle_timeout / 4)
+        self._streams: set[StreamRelay] = set()
+
+    def watch(self, relay: StreamRelay) -> None:
+        self._streams.add(relay)
+
+    def forget(self, relay: StreamRelay) -> None:
+        self._streams.discard(relay)
+
+    def sweep(self) -> None:
+        deadline = self.clock() - self.idle_timeout
+        for relay in [r for r in self._streams if r.last_activity < deadline]:
+            self.forget(relay)
+            relay.abort(
+                UpstreamTimeout(f"decode engine silent for {self.idle_timeout:g} s", leg="decode")
+            )
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.sweep()
+
+
+class StreamRelay:
+    """An upstream stream being relayed. ``close()`` must be called; it is idempotent.
+
+    Closing drops the upstream connection (vLLM aborts the request) and runs ``on_close``
+    exactly once, which frees the proxy's counters.
+    """
+
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        on_close: Callable[[], None],
+        watchdog: StreamWatchdog,
+        framing: Framing = OPENAI_SSE,
+    ) -> None:
+        self._upstream = upstream
+        self._ends, self._error_event, self._tail_size = (
+            framing.ends,
+            framing.error_event,
+            framing.tail,
+        )
+        self._on_close: Callable[[], None] | None = on_close
+        self._failure: ProxyError | None = None
+        self._done = False
+        self._tail = b""  # the stream's last bytes, where its end marker lies
+        self._first: bytes | None = None  # read by prime(), not yet handed out
+        self._watchdog = watchdog
+        self._translate: Callable[[bytes], bytes] | None = None
+        self._write: Callable[[bytes], bool] | None = None  # relay_directly's
+        self.pushed = 0  # bytes handed to it
+        self._clock = watchdog.clock
+        self.last_activity = self._clock()
+        watchdog.watch(self)
+
+    def when_closed(self, on_close: Callable[[], None]) -> None:
+        """Replace the callback ``close()`` runs (once the stream is handed on)."""
+        self._on_close = on_close
+
+    def translate(self, translate: Callable[[bytes], bytes]) -> None:
+        """Hand the client ``translate(bytes)`` of the engine's bytes from now on (render-once
+        answers generate's stream in the OpenAI shape); the end check still reads the
+        engine's own bytes, and the relay's error events pass untranslated."""
+        self._translate = translate
+
+    def relay_directly(self, write: Callable[[bytes], bool]) -> None:
+        """From now on hand each chunk the engine sends to ``write`` in the engine
+        connection's own callback: no future, task step or ASGI message per token.
+
+        ``write`` returns False when it cannot take a chunk now (the client's socket is
+        full, or the client is gone); that chunk and the ones after it then come from
+        ``next_chunk`` again, until this is called anew. The stream's last chunk (the one
+        that ends with ``[DONE]``) and its end always come from ``next_chunk``, so the
+        caller ends the response; a translated stream is never relayed this way.
+        """
+        if self._translate is None and not self._done and self._first is None:
+            self._write = write
+            self._upstream.push_to(self._push)
+
+    def _push(self, chunk: bytes) -> bool:
+        write = self._write
+        if write is None or chunk.endswith(SSE_DONE) or not write(chunk):
+            self._write = None
+            self._upstream.push_to(None)
+            return False
+        self._seen(chunk)
+        self.pushed += len(chunk)
+        return True
+
+    def _seen(self, chunk: bytes) -> None:
+        """A chunk came from the engine: the watchdog's clock, and the tail the end check
+        reads (a token's chunk is longer than the marker: a reference, no copy)."""
+        self.last_activity = self._clock()
+        size = self._tail_size
+        self._tail = chunk if len(chunk) >= size else (self._tail + chunk)[-size:]
+
+    def abort(self, failure: ProxyError) -> None:
+        """Stop relaying because of ``failure`` (e.g. the concurrent prefill failed)."""
+        self._failure = failure
+        self._upstream.close()
+
+    async def prime(self) -> None:
+        """Wait for the stream's first bytes before the client's response starts.
+
+        Raises ``UpstreamError`` if the stream breaks, falls silent past the watchdog or
+        ends before any byte: nothing has reached the client, so the leg can be retried.
+        """
+        try:
+            chunk = await self._upstream.read_chunk()
+        except UpstreamError as exc:
+            if self._failure is not None:  # the watchdog (or a failed prefill) aborted it
+                raise self._failure from exc
+            raise
+        if not chunk:
+            raise self._failure or UpstreamProtocolError(
+                "decode engine ended the stream before its first chunk", leg="decode"
+            )
+        self.last_activity = self._clock()
+        self._tail = chunk[-self._tail_size :]
+        self._first = chunk
+
+    async def next_chunk(self) -> bytes | None:
+        """The next bytes for the client, or None once the stream is over.
+
+        A broken or cut upstream yields one last chunk: the terminal error event.
+        """
+        translate = self._translate
+        if translate is None:
+            return await self._next()
+        while True:
+            chunk = await self._next()
+            if chunk is None or (self._done and self._failure is not None):
+                return chunk  # the end, or the relay's own error event
+            chunk = translate(chunk)
+            if chunk:
+                return chunk
+
+    async def _next(self) -> bytes | None:
+        if self._first is not None:
+            chunk, self._first = self._first, None
+            return chunk
+        if self._done:
+            return None
+        try:
+            chunk = await self._upstream.read_chunk()
+        except UpstreamError as exc:
+            return self._fail(exc)
+        if chunk:
+            self._seen(chunk)
+            return chunk
+        if not self._tail.rstrip().endswith(self._ends):
+            return self._fail(
+                UpstreamProtocolError("decode engine ended the stream early", leg="decode")
+            )
+        self._done = True
+        self._upstream.release()  # complete: keep the connection for the next request
+        return None
+
+    @property
+    def failure(self) -> ProxyError | None:
+        """Why the stream ended with an error event, if it did."""
+        return self._failure
+
+    def _fail(self, error: UpstreamError) -> bytes:
+        self._done = True
+        self._failure = self._failure or error
+        tail = self._tail
+        separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+        return separator + self._error_event(self._failure)
+
+    def close(self) -> None:
+        self._done = True
+        self._write = None
+        self._watchdog.forget(self)
+        self._upstream.close()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()

@@ -1,0 +1,5 @@
+"""Pure vLLM and OpenAI formats, no I/O: the bodies of both legs (``shaping``), the endpoints
+relayed whole (``routes``), tokenize-once's render and generate bodies (``tokenize_once``) and
+its answers put back in OpenAI's shape (``derender``), an engine's load figures from its
+``/metrics`` text (``engine_stats``), a body's fields typed as vLLM reads them (``body_fields``
+over ``coerce``), the ``Via`` marker of pdproxy's own legs (``hop``)."""
