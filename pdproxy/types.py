@@ -215,3 +215,10 @@ class DecodeOnly:
     decode: Endpoint
     reason: str
     decode_dp_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    role: Role
+    address: EngineAddress
+    format: str  # "p2p" | "moriio" | "moriio-legacy"

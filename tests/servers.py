@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from pdproxy.api.app import create_app
+from pdproxy.app import create_app
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.runtime.server import uvicorn_config
 

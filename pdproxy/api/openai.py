@@ -32,13 +32,13 @@ from pdproxy.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
-from pdproxy.membership.guard import Hop
 from pdproxy.observability.request_context import RequestTrace, bind, unbind
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.lifecycle import Lifecycle
 from pdproxy.proxying.relay import SSE_DONE, StreamRelay
 from pdproxy.types import ApiKind
 from pdproxy.wire.body_fields import check_body
+from pdproxy.wire.hop import Hop
 from pdproxy.wire.shaping import MESSAGES, MODEL, PROMPT, SAMPLING_PARAMS, TOKEN_IDS, is_token_in
 
 logger = logging.getLogger(__name__)

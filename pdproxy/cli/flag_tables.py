@@ -3,16 +3,10 @@ each, the defaults taken from the config classes (``pdproxy.cli.flags`` adds the
 
 from __future__ import annotations
 
-from pdproxy.config.proxy import (
-    AdmissionConfig,
-    ClientLimits,
-    HealthConfig,
-    OutlierConfig,
-    PoolLimits,
-    RetryConfig,
-    Timeouts,
-)
+from pdproxy.config.listener import AdmissionConfig, ClientLimits
+from pdproxy.config.resilience import HealthConfig, OutlierConfig, RetryConfig
 from pdproxy.config.scheduling import SchedulingConfig
+from pdproxy.config.upstream import PoolLimits, Timeouts
 
 # Numeric flags, as (flags, type, default, help): one line each, defaults from the config.
 _T, _R, _H, _O, _A = Timeouts(), RetryConfig(), HealthConfig(), OutlierConfig(), AdmissionConfig()

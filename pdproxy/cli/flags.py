@@ -18,7 +18,8 @@ from pdproxy.cli.flag_tables import (
     UPSTREAM,
     NumberFlag,
 )
-from pdproxy.config.proxy import KV_CONNECTORS, LOG_FORMATS, TRANSFER_MODES, HealthConfig
+from pdproxy.config.proxy import KV_CONNECTORS, LOG_FORMATS, TRANSFER_MODES
+from pdproxy.config.resilience import HealthConfig
 from pdproxy.config.scheduling import (
     DEFAULT_DECODE_POLICY,
     DEFAULT_PREFILL_POLICY,

@@ -16,27 +16,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdproxy.cli.flags import build_parser
-from pdproxy.config.proxy import (
-    AdmissionConfig,
-    ClientLimits,
-    EngineTLS,
-    HealthConfig,
-    ListenerTLS,
-    OutlierConfig,
-    PoolLimits,
-    ProxyConfig,
-    RegistryConfig,
-    RetryConfig,
-    SharedRegistryConfig,
-    Timeouts,
-    parse_engine_url,
-    parse_registry_backend,
-)
+from pdproxy.config.addresses import parse_engine_url
+from pdproxy.config.listener import AdmissionConfig, ClientLimits, ListenerTLS
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.registry import RegistryConfig, SharedRegistryConfig, parse_registry_backend
+from pdproxy.config.resilience import HealthConfig, OutlierConfig, RetryConfig
 from pdproxy.config.scheduling import (
     DEFAULT_DECODE_POLICY,
     DEFAULT_PREFILL_POLICY,
     SchedulingConfig,
 )
+from pdproxy.config.upstream import EngineTLS, PoolLimits, Timeouts
 from pdproxy.errors import ConfigError
 from pdproxy.membership.discovery.shared import require_etcd
 from pdproxy.observability.log import configure_logging
@@ -319,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         except ConfigError as exc:  # what only the connector knows (pdproxy.connectors)
             build_parser().error(str(exc))
 
-    from pdproxy.api.app import create_app
+    from pdproxy.app import create_app
     from pdproxy.runtime.server import DrainingServer, uvicorn_config
 
     try:

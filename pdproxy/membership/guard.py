@@ -1,19 +1,16 @@
-"""What keeps pdproxy from routing to itself, and one instance from being admitted twice.
+"""What keeps the membership from admitting pdproxy itself, or one instance twice.
 
-* ``Hop``: the marker every leg carries, ``Via: 1.1 pdproxy-<id>`` after the client's own
-  ``Via`` entries (RFC 9110 7.6.3). A request that arrives with this pdproxy's marker is one
-  of its own legs come back: refused (508) before any work. Another pdproxy's marker is a
-  chain of proxies, allowed; it is forwarded, so a cycle through several of them ends when
-  it comes back to any one. The id is random per run and shared by ``--workers`` processes.
 * ``OwnListener``: the port and the hosts that reach pdproxy's own listener: every loopback
   spelling; with ``--host 0.0.0.0`` (or ``::``) also the host's interface addresses (Linux:
-  ``/proc/net``), its host name and the addresses that name resolves to; else its
-  ``--host`` (and, for a name, its addresses).
-* ``InstanceGuard``: membership's address checks, made before an instance is admitted: not
-  this pdproxy (400 for the admin API), not a second name of a known instance (409).
-  Literal spellings are compared by ``addresses.identity``; a DNS name is resolved only where
-  awaiting is allowed (the admin API), never for a heartbeat.
-"""
+  ``/proc/net``), its host name and the addresses that name resolves to; else its ``--host``
+  (and, for a name, its addresses).
+* ``InstanceGuard``: membership's address checks, made before an instance is admitted: not this
+  pdproxy (400 for the admin API), not a second name of a known instance (409). Literal
+  spellings are compared by ``addresses.identity``; a DNS name is resolved only where awaiting
+  is allowed (the admin API), never for a heartbeat.
+
+A request that comes back through pdproxy itself is refused by its ``Via`` marker
+(``pdproxy.wire.hop``)."""
 
 from __future__ import annotations
 
@@ -36,26 +33,8 @@ from pdproxy.config.addresses import (
 from pdproxy.errors import ConfigError
 
 _FIB_TRIE = "/proc/net/fib_trie"  # every local IPv4 address, secondary ones included
+
 _IF_INET6 = "/proc/net/if_inet6"
-
-
-@dataclass(frozen=True, slots=True)
-class Hop:
-    token: str  # "pdproxy-<id>"
-    via: str  # "1.1 pdproxy-<id>"
-
-    @classmethod
-    def of(cls, hop_id: str) -> Hop:
-        token = f"pdproxy-{hop_id}"
-        return cls(token, f"1.1 {token}")
-
-    def returned(self, via: str | None) -> bool:
-        """The request is one of this pdproxy's own legs (one substring test)."""
-        return via is not None and self.token in via
-
-    def forward(self, via: str | None) -> str:
-        """The ``Via`` a leg carries: the client's entries, then this pdproxy's."""
-        return f"{via}, {self.via}" if via else self.via
 
 
 class OwnListener:

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from pdproxy.config.proxy import HealthConfig
+from pdproxy.config.resilience import HealthConfig
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.probes import apply_probe

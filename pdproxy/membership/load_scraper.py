@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from pdproxy.config.proxy import HealthConfig
+from pdproxy.config.resilience import HealthConfig
 from pdproxy.errors import UpstreamError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics

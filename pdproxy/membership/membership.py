@@ -29,15 +29,23 @@ from pdproxy.config.proxy import ProxyConfig
 from pdproxy.connectors import KVConnector
 from pdproxy.errors import AdminError
 from pdproxy.fleet.registry import EndpointRegistry
-from pdproxy.membership.discovery.messages import Registration
-from pdproxy.membership.guard import Hop, InstanceGuard, OwnListener, Refusal
+from pdproxy.membership.guard import InstanceGuard, OwnListener, Refusal
 from pdproxy.membership.health import HealthChecker
 from pdproxy.membership.instance_checks import InstanceChecks
 from pdproxy.membership.warmup import PairWarmer
 from pdproxy.observability.log import RateLimitedLogger
 from pdproxy.observability.metrics import ProxyMetrics
-from pdproxy.types import Endpoint, EndpointState, EngineAddress, ProbeState, Role, Source
+from pdproxy.types import (
+    Endpoint,
+    EndpointState,
+    EngineAddress,
+    ProbeState,
+    Registration,
+    Role,
+    Source,
+)
 from pdproxy.upstream.engine_client import EngineClient
+from pdproxy.wire.hop import Hop
 
 logger = logging.getLogger(__name__)
 

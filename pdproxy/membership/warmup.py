@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from pdproxy.config.proxy import HealthConfig
+from pdproxy.config.resilience import HealthConfig
 from pdproxy.connectors import KVConnector
 from pdproxy.errors import UpstreamError
 from pdproxy.fleet.registry import EndpointRegistry
@@ -61,7 +61,7 @@ class PairWarmer:
         client: EngineClient,
         connector: KVConnector,
         model: str | None,
-        via: str | None = None,  # this pdproxy's hop marker (pdproxy.membership.guard.Hop)
+        via: str | None = None,  # this pdproxy's hop marker (pdproxy.wire.hop.Hop)
     ) -> None:
         self._via = via
         self._peers = config.warm_pairs

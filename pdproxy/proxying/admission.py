@@ -13,7 +13,7 @@ import contextlib
 import sys
 from collections import deque
 
-from pdproxy.config.proxy import AdmissionConfig
+from pdproxy.config.listener import AdmissionConfig
 from pdproxy.errors import Overloaded
 from pdproxy.observability.metrics import ProxyMetrics
 

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from pdproxy.config.addresses import header_safe
-from pdproxy.config.proxy import Timeouts
+from pdproxy.config.upstream import Timeouts
 from pdproxy.connectors import KVConnector, Transfer
 from pdproxy.errors import (
     ProxyError,

@@ -21,7 +21,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdproxy.config.proxy import RetryConfig
+from pdproxy.config.resilience import RetryConfig
 from pdproxy.connectors import KVConnector, Transfer
 from pdproxy.errors import NoEndpointAvailable, UpstreamError
 from pdproxy.fleet.registry import EndpointRegistry

@@ -28,7 +28,8 @@ from typing import Any
 
 import orjson
 
-from pdproxy.config.proxy import RetryConfig, Timeouts
+from pdproxy.config.resilience import RetryConfig
+from pdproxy.config.upstream import Timeouts
 from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamError, UpstreamStatusError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Sequence
 
-from pdproxy.config.proxy import OutlierConfig
+from pdproxy.config.resilience import OutlierConfig
 from pdproxy.types import BreakerState, Endpoint
 
 

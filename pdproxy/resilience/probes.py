@@ -7,7 +7,7 @@ in a row, and healthy again after ``success_threshold`` successes in a row.
 
 from __future__ import annotations
 
-from pdproxy.config.proxy import HealthConfig
+from pdproxy.config.resilience import HealthConfig
 from pdproxy.types import EndpointHealth, ProbeState
 
 

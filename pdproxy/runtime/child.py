@@ -45,7 +45,7 @@ def main() -> None:
         raise SystemExit(f"{METRICS_ENV} must be {spec.run_dir.metrics}")
     configure_logging(config.log_level, config.log_format)
     # Imported only now: prometheus_client reads PROMETHEUS_MULTIPROC_DIR at import.
-    from pdproxy.api.app import create_app
+    from pdproxy.app import create_app
     from pdproxy.runtime.server import DrainingServer, uvicorn_config
 
     try:

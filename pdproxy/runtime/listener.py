@@ -38,7 +38,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from pdproxy.config.proxy import ClientLimits
+from pdproxy.config.listener import ClientLimits
 from pdproxy.errors import (
     BadRequest,
     ClientTimeout,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdproxy.api.app import Services, create_app
 from pdproxy.api.state import AppState
+from pdproxy.app import Services, create_app
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.workers import RunDir
 from pdproxy.membership.workers.hub import MembershipHub

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 
-from pdproxy.config.proxy import EngineTLS, PoolLimits, Timeouts
+from pdproxy.config.upstream import EngineTLS, PoolLimits, Timeouts
 from pdproxy.errors import (
     ConfigError,
     UpstreamConnectError,

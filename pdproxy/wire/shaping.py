@@ -36,7 +36,7 @@ SAMPLING_PARAMS = "sampling_params"
 HEADER_REQUEST_ID = "X-Request-Id"
 HEADER_DP_RANK = "X-data-parallel-rank"
 HEADER_AUTHORIZATION = "Authorization"
-HEADER_VIA = "Via"  # the hop markers a leg carries (pdproxy.membership.guard.Hop)
+HEADER_VIA = "Via"  # the hop markers a leg carries (pdproxy.wire.hop.Hop)
 
 # Fields a one-token leg must not carry: it never streams, and vLLM rejects
 # min_tokens > max_tokens. A prefill leg never carries the client's own KV params either.

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from engines.vllm.launch import EnginePair, vllm_engines
-from pdproxy.config.proxy import HealthConfig
+from pdproxy.config.resilience import HealthConfig
 from tests.e2e.test_real_nixl import body, isolated, proxy_config
 from tests.servers import running_proxy
 

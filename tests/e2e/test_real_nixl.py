@@ -182,7 +182,7 @@ async def test_orphaned_kv_is_released_within_two_seconds(nixl_pair, record_prop
     decode (a one-token leg while that decode is cold to pdproxy, then a leg vLLM rejects
     before admission, which makes it notify P), instead of the 30 s lease."""
     from engines.ports import free_port
-    from pdproxy.config.proxy import HealthConfig, OutlierConfig, RetryConfig
+    from pdproxy.config.resilience import HealthConfig, OutlierConfig, RetryConfig
     from pdproxy.config.scheduling import SchedulingConfig
 
     pair = nixl_pair

@@ -21,7 +21,9 @@ import aiohttp
 import orjson
 
 from engines.sim import SimConfig, model, running_sim
-from pdproxy.config.proxy import HealthConfig, OutlierConfig, ProxyConfig, RetryConfig, Timeouts
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.resilience import HealthConfig, OutlierConfig, RetryConfig
+from pdproxy.config.upstream import Timeouts
 from pdproxy.types import EngineAddress
 from tests.servers import RunningProxy, running_proxy
 

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config.proxy import ProxyConfig, RegistryConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.registry import RegistryConfig
 from tests.faults.harness import (
     HEALTH,
     MODEL,

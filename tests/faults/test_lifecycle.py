@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from pdproxy.config.proxy import AdmissionConfig
+from pdproxy.config.listener import AdmissionConfig
 from tests.faults.harness import assert_settled, body, drive, fleet
 
 pytestmark = pytest.mark.faults

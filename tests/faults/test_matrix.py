@@ -12,7 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from pdproxy.config.proxy import RetryConfig, SchedulingConfig
+from pdproxy.config.proxy import SchedulingConfig
+from pdproxy.config.resilience import RetryConfig
 from tests.faults.harness import (
     HEALTH,
     all_ok,

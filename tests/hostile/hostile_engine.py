@@ -23,8 +23,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pdproxy.config.proxy import HealthConfig, OutlierConfig, ProxyConfig, RetryConfig, Timeouts
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.resilience import HealthConfig, OutlierConfig, RetryConfig
 from pdproxy.config.scheduling import SchedulingConfig
+from pdproxy.config.upstream import Timeouts
 from pdproxy.runtime.server import settle_garbage_collector
 from pdproxy.types import EngineAddress
 from tests.servers import RunningProxy, running_proxy

@@ -31,7 +31,8 @@ from pdproxy.api.direct import (
     direct_writer,
     fast_path_problem,
 )
-from pdproxy.config.proxy import ListenerTLS, ProxyConfig
+from pdproxy.config.listener import ListenerTLS
+from pdproxy.config.proxy import ProxyConfig
 from pdproxy.runtime.server import uvicorn_config
 from pdproxy.types import EngineAddress
 from tests.certs import CertPaths, tls_certs  # noqa: F401  (the certs fixture)
@@ -157,7 +158,7 @@ def test_a_moved_cycle_costs_the_fast_path_never_the_start_or_a_stream():
     # A uvicorn without the module at all: the app imports, the relay says why it is off.
     code = (
         f"import sys; sys.modules[{CYCLE_MODULE!r}] = None\n"
-        "import pdproxy.api.app, pdproxy.api.direct as d\n"
+        "import pdproxy.app, pdproxy.api.direct as d\n"
         "print(d.fast_path_problem())"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

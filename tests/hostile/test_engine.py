@@ -18,8 +18,8 @@ import aiohttp
 import orjson
 import pytest
 
-from pdproxy.config.proxy import PoolLimits
 from pdproxy.config.scheduling import SchedulingConfig
+from pdproxy.config.upstream import PoolLimits
 from tests.hostile.hostile_engine import (
     MODEL,
     Answer,

@@ -28,7 +28,9 @@ from multidict import CIMultiDict
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.cli.main import parse_config
-from pdproxy.config.proxy import HealthConfig, ProxyConfig, RegistryConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.registry import RegistryConfig
+from pdproxy.config.resilience import HealthConfig
 from pdproxy.types import EngineAddress
 from tests.integration.conftest import MODEL, ROUND_ROBIN
 from tests.integration.test_registry import dealer

@@ -9,7 +9,7 @@ import time
 import aiohttp
 import orjson
 
-from pdproxy.config.proxy import AdmissionConfig
+from pdproxy.config.listener import AdmissionConfig
 from tests.integration.conftest import MODEL, deployment
 
 BODY = {"model": MODEL, "prompt": "a burst of requests", "max_tokens": 10, "stream": True}

@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 import pytest
 
-from pdproxy.config.proxy import Timeouts
+from pdproxy.config.upstream import Timeouts
 from tests.integration.conftest import MODEL, deployment
 
 BODY = {"model": MODEL, "prompt": "tell me about the weather in spring", "max_tokens": 40}

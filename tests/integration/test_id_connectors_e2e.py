@@ -19,7 +19,8 @@ import pytest
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config.proxy import ProxyConfig, RegistryConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.registry import RegistryConfig
 from pdproxy.types import EngineAddress
 from tests.integration.conftest import MODEL, ROUND_ROBIN
 from tests.servers import running_proxy

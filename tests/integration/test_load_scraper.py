@@ -17,7 +17,9 @@ from prometheus_client import CollectorRegistry
 
 from engines.sim import SimConfig, running_sim
 from pdproxy.cli.main import parse_config
-from pdproxy.config.proxy import HealthConfig, PoolLimits, ProxyConfig, Timeouts
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.resilience import HealthConfig
+from pdproxy.config.upstream import PoolLimits, Timeouts
 from pdproxy.errors import ConfigError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.load_scraper import LoadScraper

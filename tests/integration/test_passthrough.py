@@ -15,7 +15,8 @@ import orjson
 import pytest
 
 from engines.sim import model
-from pdproxy.config.proxy import AdmissionConfig, RetryConfig
+from pdproxy.config.listener import AdmissionConfig
+from pdproxy.config.resilience import RetryConfig
 from pdproxy.wire.routes import ROUTES, pin
 from tests.integration.conftest import MODEL, deployment
 

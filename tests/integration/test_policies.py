@@ -14,7 +14,8 @@ import orjson
 import pytest
 
 from engines.sim import SimConfig, running_sim
-from pdproxy.config.proxy import HealthConfig, ProxyConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.resilience import HealthConfig
 from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.types import EngineAddress, EngineLoad
 from tests.integration.conftest import MODEL

@@ -16,7 +16,8 @@ import zmq.asyncio
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config.proxy import ProxyConfig, RegistryConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.registry import RegistryConfig
 from pdproxy.types import EndpointState
 from tests.integration.conftest import MODEL
 from tests.servers import running_proxy

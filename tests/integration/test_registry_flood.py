@@ -23,7 +23,7 @@ import zmq
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config.proxy import RegistryConfig
+from pdproxy.config.registry import RegistryConfig
 from tests.integration.conftest import MODEL, deployment
 from tests.integration.test_registry import dealer, p2p
 

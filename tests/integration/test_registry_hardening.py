@@ -15,7 +15,8 @@ import pytest
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config.proxy import ProxyConfig, RegistryConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.registry import RegistryConfig
 from pdproxy.membership.discovery.zap import allowed, parse_networks
 from pdproxy.membership.discovery.zmq import GarbageLimiter
 from tests.integration.conftest import MODEL

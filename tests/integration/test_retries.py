@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 import pytest
 
-from pdproxy.config.proxy import HealthConfig
+from pdproxy.config.resilience import HealthConfig
 from tests.integration.conftest import MODEL, deployment
 from tests.integration.test_id_connectors_e2e import CASES, _text, fleet
 

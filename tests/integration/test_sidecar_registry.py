@@ -12,7 +12,8 @@ import aiohttp
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config.proxy import ProxyConfig, RegistryConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.registry import RegistryConfig
 from tests.integration.conftest import MODEL
 from tests.servers import running_proxy
 

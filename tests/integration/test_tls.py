@@ -18,7 +18,9 @@ import orjson
 import pytest
 
 from engines.sim import SimConfig, running_sim
-from pdproxy.config.proxy import EngineTLS, HealthConfig, ListenerTLS, PoolLimits, Timeouts
+from pdproxy.config.listener import ListenerTLS
+from pdproxy.config.resilience import HealthConfig
+from pdproxy.config.upstream import EngineTLS, PoolLimits, Timeouts
 from pdproxy.errors import ConfigError, UpstreamConnectError, UpstreamProtocolError
 from pdproxy.upstream.engine_client import EngineClient
 from tests.certs import CertPaths, tls_certs  # noqa: F401  (the certs fixture)

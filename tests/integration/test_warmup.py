@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from engines.sim import SimConfig, running_sim
-from pdproxy.config.proxy import HealthConfig
+from pdproxy.config.resilience import HealthConfig
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.warmup import WARMUP_ID_PREFIX, PairWarmer
 from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Source

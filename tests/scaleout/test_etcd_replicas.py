@@ -20,7 +20,8 @@ import zmq.asyncio
 
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
-from pdproxy.config.proxy import ProxyConfig, RegistryConfig, SharedRegistryConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.registry import RegistryConfig, SharedRegistryConfig
 from pdproxy.types import EndpointState, Role
 from tests.integration.conftest import MODEL
 from tests.scaleout.etcd_server import EtcdServer

@@ -18,7 +18,8 @@ from pdproxy.config.addresses import (
     parse_host_port,
 )
 from pdproxy.errors import ConfigError
-from pdproxy.membership.guard import Hop, InstanceGuard, OwnListener
+from pdproxy.membership.guard import InstanceGuard, OwnListener
+from pdproxy.wire.hop import Hop
 
 
 @pytest.mark.parametrize(

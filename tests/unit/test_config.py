@@ -1,7 +1,7 @@
 import pytest
 
 from pdproxy.cli.main import parse_config
-from pdproxy.config.proxy import parse_engine_url
+from pdproxy.config.addresses import parse_engine_url
 from pdproxy.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from pdproxy.api.app import create_app
+from pdproxy.app import create_app
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.errors import ConfigError

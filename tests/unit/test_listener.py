@@ -9,7 +9,8 @@ import resource
 import orjson
 import pytest
 
-from pdproxy.config.proxy import ClientLimits, ProxyConfig
+from pdproxy.config.listener import ClientLimits
+from pdproxy.config.proxy import ProxyConfig
 from pdproxy.errors import ConfigError, HeadTooLarge, TooManyConnections
 from pdproxy.runtime.listener import (
     WARN_EVERY,

@@ -10,7 +10,8 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdproxy.config.proxy import OutlierConfig, ProxyConfig, RetryConfig
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.resilience import OutlierConfig, RetryConfig
 from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.connectors import load_connector
 from pdproxy.errors import (

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdproxy.config.proxy import HealthConfig, OutlierConfig
+from pdproxy.config.resilience import HealthConfig, OutlierConfig
 from pdproxy.errors import (
     BadRequest,
     UpstreamConnectError,

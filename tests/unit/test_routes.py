@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from pdproxy.config.proxy import OutlierConfig
+from pdproxy.config.resilience import OutlierConfig
 from pdproxy.errors import UpstreamProtocolError
 from pdproxy.proxying.relay import RESPONSES_SSE, StreamRelay, StreamWatchdog
 from pdproxy.resilience.outlier import OutlierDetector

@@ -7,14 +7,10 @@ import json
 
 import pytest
 
-from pdproxy.api.app import create_app
-from pdproxy.config.proxy import (
-    HealthConfig,
-    ProxyConfig,
-    RegistryConfig,
-    SharedRegistryConfig,
-    parse_registry_backend,
-)
+from pdproxy.app import create_app
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.registry import RegistryConfig, SharedRegistryConfig, parse_registry_backend
+from pdproxy.config.resilience import HealthConfig
 from pdproxy.errors import ConfigError
 from pdproxy.membership.discovery.replica import ReplicaView
 from pdproxy.membership.discovery.shared import (
@@ -206,7 +202,7 @@ async def test_what_is_learned_from_others_is_not_written_back(view):
 
 
 async def test_own_claims_come_from_heartbeats_and_go_with_their_expiry(view):
-    from pdproxy.membership.discovery.messages import Registration
+    from pdproxy.types import Registration
 
     replica, state = view
     registration = Registration(role=Role.DECODE, address=EngineAddress(url=URL), format="p2p")

@@ -213,7 +213,7 @@ def test_response_id():
 
 
 def test_render_servers_need_render_once_and_decodes_that_answer_alone():
-    from pdproxy.api.app import create_app
+    from pdproxy.app import create_app
     from pdproxy.config.proxy import ProxyConfig
     from pdproxy.errors import ConfigError
     from pdproxy.types import EngineAddress
@@ -231,7 +231,7 @@ def test_render_servers_need_render_once_and_decodes_that_answer_alone():
 
 async def test_a_decode_that_cannot_be_asked_has_no_fingerprint_for_a_while():
     from engines.ports import free_port
-    from pdproxy.config.proxy import PoolLimits, Timeouts
+    from pdproxy.config.upstream import PoolLimits, Timeouts
     from pdproxy.proxying.render_once import Fingerprints
     from pdproxy.upstream.engine_client import EngineClient
 

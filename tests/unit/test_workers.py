@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from pdproxy.cli.main import parse_config
-from pdproxy.config.proxy import OutlierConfig
+from pdproxy.config.resilience import OutlierConfig
 from pdproxy.config.workers import RunDir, WorkerSpec
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.workers.link import OwnerLink

@@ -32,7 +32,7 @@ from typing import Any
 import aetcd
 from aetcd.utils import prefix_range_end
 
-from pdproxy.config.proxy import SharedRegistryConfig
+from pdproxy.config.registry import SharedRegistryConfig
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.discovery.replica import ReplicaView, Write
 from pdproxy.membership.discovery.shared import (

@@ -24,7 +24,6 @@ engine wrote it, must be printable ASCII ``host:port`` or MoRIIO's form.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import msgpack
@@ -32,19 +31,13 @@ import msgpack
 from pdproxy.config.addresses import canonical_host, format_url, kv_address_problem, parse_host_port
 from pdproxy.config.proxy import TRANSFER_MODES
 from pdproxy.errors import ConfigError, RegistryMessageError
-from pdproxy.types import EngineAddress, Role
+from pdproxy.types import EngineAddress, Registration, Role
 
 _ROLES: dict[str, Role] = {"P": Role.PREFILL, "D": Role.DECODE}
+
 _MAX_TEXT = 512  # longest accepted string field
 
 Message = dict[object, object]
-
-
-@dataclass(frozen=True, slots=True)
-class Registration:
-    role: Role
-    address: EngineAddress
-    format: str  # "p2p" | "moriio" | "moriio-legacy"
 
 
 def decode(payload: bytes, max_bytes: int) -> Registration | None:

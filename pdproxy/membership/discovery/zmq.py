@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import Counter
 
-from pdproxy.config.proxy import RegistryConfig
+from pdproxy.config.registry import RegistryConfig
 from pdproxy.errors import RegistryMessageError
 from pdproxy.membership.discovery.messages import decode
 from pdproxy.membership.discovery.zap import ZapAllowList, parse_networks

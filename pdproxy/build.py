@@ -1,0 +1,260 @@
+"""Every stateful object of one pdproxy, built once from its config and handed to whoever uses it,
+gathered into one ``AppState``."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from pdproxy.api.auth import ClientKeys
+from pdproxy.api.state import AppState
+from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.resilience import RetryConfig
+from pdproxy.connectors import KVConnector, load_connector
+from pdproxy.errors import ConfigError
+from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.membership.health import HealthChecker
+from pdproxy.membership.load_scraper import LoadScraper
+from pdproxy.membership.membership import Membership
+from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.proxying.admission import Admission
+from pdproxy.proxying.kv_release import KVRelease
+from pdproxy.proxying.legs import Legs
+from pdproxy.proxying.lifecycle import Lifecycle
+from pdproxy.proxying.orchestrator import Orchestrator
+from pdproxy.proxying.passthrough import Passthrough
+from pdproxy.proxying.render_once import RenderOnce
+from pdproxy.proxying.verdicts import Verdicts
+from pdproxy.resilience.outlier import OutlierDetector
+from pdproxy.resilience.retry import RetryBudget
+from pdproxy.scheduling.scheduler import Scheduler
+from pdproxy.types import Endpoint, Role, Source
+from pdproxy.upstream.engine_client import EngineClient
+
+
+@dataclass(frozen=True, slots=True)
+class _Core:
+    """What every part of the state shares."""
+
+    registry: EndpointRegistry
+    client: EngineClient
+    metrics: ProxyMetrics
+    connector: KVConnector
+    outliers: OutlierDetector
+
+
+def build_state(
+    config: ProxyConfig,
+    clock: Callable[[], float],
+    metrics_registry: CollectorRegistry,
+    rng: random.Random,
+) -> AppState:
+    core = _Core(
+        registry=EndpointRegistry(clock),
+        client=EngineClient(
+            config.timeouts, config.pool, _bearer(config.engine_api_key), tls=config.engine_tls
+        ),
+        metrics=ProxyMetrics(metrics_registry),
+        connector=load_connector(config),
+        outliers=OutlierDetector(config.outlier, clock),
+    )
+    health = HealthChecker(
+        config.health, registry=core.registry, client=core.client, outliers=core.outliers
+    )
+    release = KVRelease(
+        connector=core.connector,
+        client=core.client,
+        registry=core.registry,
+        outliers=core.outliers,
+        metrics=core.metrics,
+    )
+    membership = Membership(
+        config=config,
+        registry=core.registry,
+        client=core.client,
+        connector=core.connector,
+        metrics=core.metrics,
+        health=health,
+        clock=clock,
+    )
+    scheduler = _scheduler(config, core, clock, rng)
+    budget = _retry_budget(config.retry, clock)  # fleet-wide: generation and pass-through
+    orchestrator = _orchestrator(config, core, release, scheduler, budget, rng)
+    passthrough = _passthrough(config, core, scheduler, budget, rng)
+    state = _app_state(config, core, orchestrator, passthrough, membership, health, release, clock)
+    if config.render_once:
+        state.render_once = _render_once(config, core, orchestrator, scheduler, budget, rng, clock)
+    return state
+
+
+def _orchestrator(
+    config: ProxyConfig,
+    core: _Core,
+    release: KVRelease,
+    scheduler: Scheduler,
+    budget: RetryBudget,
+    rng: random.Random,
+) -> Orchestrator:
+    legs = Legs(
+        connector=core.connector,
+        client=core.client,
+        timeouts=config.timeouts,
+        verdicts=Verdicts(core.outliers, core.registry, core.metrics),
+        metrics=core.metrics,
+    )
+    return Orchestrator(
+        registry=core.registry,
+        scheduler=scheduler,
+        connector=core.connector,
+        legs=legs,
+        outliers=core.outliers,
+        release=release,
+        retry=config.retry,
+        budget=budget,
+        metrics=core.metrics,
+        rng=rng,
+    )
+
+
+def _passthrough(
+    config: ProxyConfig,
+    core: _Core,
+    scheduler: Scheduler,
+    budget: RetryBudget,
+    rng: random.Random,
+) -> Passthrough:
+    return Passthrough(
+        registry=core.registry,
+        scheduler=scheduler,
+        client=core.client,
+        timeouts=config.timeouts,
+        verdicts=Verdicts(core.outliers, core.registry, core.metrics),
+        outliers=core.outliers,
+        retry=config.retry,
+        budget=budget,
+        metrics=core.metrics,
+        rng=rng,
+    )
+
+
+def _render_once(
+    config: ProxyConfig,
+    core: _Core,
+    orchestrator: Orchestrator,
+    scheduler: Scheduler,
+    budget: RetryBudget,
+    rng: random.Random,
+    clock: Callable[[], float],
+) -> RenderOnce:
+    """--render-once: renders on the --render servers (picked, retried and ejected like
+    decodes, among themselves), else on the decodes."""
+    if not core.connector.serves_decode_alone:
+        raise ConfigError(
+            f"--render-once needs decodes that answer alone; {config.kv_connector}'s wait for KV"
+        )
+    servers = tuple(
+        Endpoint(role=Role.DECODE, address=a, source=Source.STATIC) for a in config.render
+    )
+    pool = (lambda: servers) if servers else None
+    peers = (lambda _: servers) if servers else None
+    render = Passthrough(
+        registry=core.registry,
+        scheduler=scheduler,
+        client=core.client,
+        timeouts=config.timeouts,
+        verdicts=Verdicts(core.outliers, core.registry, core.metrics, peers),
+        outliers=core.outliers,
+        retry=config.retry,
+        budget=budget,
+        metrics=core.metrics,
+        rng=rng,
+        pool=pool,
+    )
+    return RenderOnce(
+        orchestrator=orchestrator,
+        render=render,
+        registry=core.registry,
+        client=core.client,
+        metrics=core.metrics,
+        clock=clock,
+    )
+
+
+def _scheduler(
+    config: ProxyConfig, core: _Core, clock: Callable[[], float], rng: random.Random
+) -> Scheduler:
+    # An engine's load figures count for three scrape intervals, then they are ignored.
+    max_age = 3 * config.health.engine_metrics_interval
+    decode_only = config.scheduling.pd_threshold_tokens or config.scheduling.decode_only_fallback
+    if decode_only and not core.connector.serves_decode_alone:
+        raise ConfigError(
+            f"--pd-threshold-tokens and --decode-only-fallback need decodes that can serve a"
+            f" request alone, which {config.kv_connector}'s cannot (they wait for their"
+            " prefill's KV)"
+        )
+    scheduler = Scheduler(
+        config.scheduling,
+        clock=clock,
+        rng=rng,
+        max_age=max_age,
+        decode_alone=core.connector.serves_decode_alone,
+    )
+    core.registry.on_removal(scheduler.forget)
+    return scheduler
+
+
+def _app_state(
+    config: ProxyConfig,
+    core: _Core,
+    orchestrator: Orchestrator,
+    passthrough: Passthrough,
+    membership: Membership,
+    health: HealthChecker,
+    release: KVRelease,
+    clock: Callable[[], float],
+) -> AppState:
+    state = AppState(
+        config,
+        core.registry,
+        core.client,
+        core.metrics,
+        orchestrator,
+        membership,
+        health,
+        core.outliers,
+        release,
+        keys=ClientKeys(config.api_keys),
+        lifecycle=Lifecycle(core.registry, lambda: state.in_flight),
+        loads=LoadScraper(
+            config.health,
+            registry=core.registry,
+            client=core.client,
+            metrics=core.metrics,
+            clock=clock,
+        ),
+        passthrough=passthrough,
+        clock=clock,
+        admission=(Admission(config.admission, core.metrics) if config.admission.enabled else None),
+        engine_authorization=_bearer(config.engine_api_key),
+    )
+    core.metrics.track_in_flight(lambda: state.in_flight)
+    core.metrics.track_endpoint_in_flight(
+        lambda: ((e.role.value, e.url, e.in_flight) for e in core.registry.all())
+    )
+    return state
+
+
+def _bearer(key: str | None) -> str | None:
+    return None if key is None else f"Bearer {key}"
+
+
+def _retry_budget(config: RetryConfig, clock: Callable[[], float]) -> RetryBudget:
+    return RetryBudget(
+        ratio=config.budget_ratio,
+        window=config.budget_window,
+        min_per_sec=config.budget_min_per_sec,
+        clock=clock,
+    )
