@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, overload
+from typing import Any, Protocol, overload
 
 from pdproxy.upstream.http1.coding import Decoder, decoder_for
 from pdproxy.upstream.http1.errors import (
@@ -13,9 +13,6 @@ from pdproxy.upstream.http1.errors import (
     ReadTimeout,
     ResponseTooLarge,
 )
-
-if TYPE_CHECKING:
-    from pdproxy.upstream.http1.connection import Connection
 
 HIGH_WATER = 256 * 1024  # body bytes buffered before the engine's socket is paused
 # Fields that may not be joined into one value (RFC 9110 5.3): ``get`` gives the first.
@@ -70,6 +67,28 @@ class Headers:
         return len(self._index)
 
 
+class _Pool(Protocol):
+    def release(self, connection: Any) -> None: ...
+
+    def discard(self, connection: Any) -> None: ...
+
+
+class Source(Protocol):
+    """The connection an answer is read from (``connection.Connection``), as the answer uses
+    it: a protocol, as the connection's ``Owner`` is, so that only the connection imports the
+    other's module."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def pool(self) -> _Pool: ...
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
 class Response:
     """An answer whose status and headers have arrived; its body is read with
     ``read_chunk``/``read_all``, then the connection is ``release()``d or ``close()``d.
@@ -78,7 +97,7 @@ class Response:
     stays in ``headers``). ``read_all`` refuses a body over ``limit`` bytes."""
 
     def __init__(
-        self, connection: Connection, deadline: float | None, *, post: bool, limit: int
+        self, connection: Source, deadline: float | None, *, post: bool, limit: int
     ) -> None:
         self.status = 0
         self.headers = Headers([])
