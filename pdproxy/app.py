@@ -12,12 +12,9 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from starlette.types import ASGIApp
 
-from pdproxy.api.app import _mount, _ProxyApp
+from pdproxy.api.app import asgi_app
 from pdproxy.api.dashboard import Dashboard
-from pdproxy.api.openai import GenerationEndpoint
-from pdproxy.api.passthrough import PassthroughEndpoint
 from pdproxy.api.state import AppState
 from pdproxy.build import build_state
 from pdproxy.config.proxy import ProxyConfig
@@ -27,8 +24,6 @@ from pdproxy.membership.discovery.zmq import ZmqRegistry
 from pdproxy.membership.workers.link import OwnerLink
 from pdproxy.observability.multiproc import WorkerGauges, exposition_registry
 from pdproxy.observability.tracing import Tracer, load_tracer
-from pdproxy.types import ApiKind
-from pdproxy.wire.routes import ROUTES
 
 if TYPE_CHECKING:  # imported at run time only under --registry-backend etcd://
     from pdproxy.membership.discovery.etcd import EtcdRegistry
@@ -77,17 +72,9 @@ def create_app(
         finally:
             await services.aclose()
 
-    generation = {kind.path: GenerationEndpoint(kind, state) for kind in ApiKind}
-    passthrough = {r.path: PassthroughEndpoint(r, state) for r in ROUTES}
-    hot_paths: dict[str, ASGIApp] = {
-        **generation,
-        **{path: e for path, e in passthrough.items() if e.route.method == "POST"},
-    }
-    app = _ProxyApp(hot_paths, title="pdproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.pdproxy = state
+    app = asgi_app(state, lifespan, dashboard)
     app.state.zmq_registry = registry
     app.state.services = services  # the --workers owner runs their membership part alone
-    _mount(app, generation, passthrough, dashboard)
     return app
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,7 +17,29 @@ from pdproxy.api.errors import error_response
 from pdproxy.api.info import router as info_router
 from pdproxy.api.openai import GenerationEndpoint
 from pdproxy.api.passthrough import PassthroughEndpoint
+from pdproxy.api.state import AppState
 from pdproxy.errors import ProxyError
+from pdproxy.types import ApiKind
+from pdproxy.wire.routes import ROUTES
+
+
+def asgi_app(
+    state: AppState,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]],
+    dashboard: Dashboard | None,
+) -> FastAPI:
+    """The handlers of ``state`` on their routes; ``lifespan`` runs what serves beside them
+    (``pdproxy.app`` builds both)."""
+    generation = {kind.path: GenerationEndpoint(kind, state) for kind in ApiKind}
+    passthrough = {r.path: PassthroughEndpoint(r, state) for r in ROUTES}
+    hot_paths: dict[str, ASGIApp] = {
+        **generation,
+        **{path: e for path, e in passthrough.items() if e.route.method == "POST"},
+    }
+    app = _ProxyApp(hot_paths, title="pdproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.pdproxy = state
+    _mount(app, generation, passthrough, dashboard)
+    return app
 
 
 def _mount(
