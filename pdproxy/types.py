@@ -219,6 +219,9 @@ class DecodeOnly:
 
 @dataclass(frozen=True, slots=True)
 class Registration:
+    """What one registration message states about an instance, whatever its wire format:
+    decoded by ``pdproxy.membership.discovery.messages``, admitted by ``Membership``."""
+
     role: Role
     address: EngineAddress
     format: str  # "p2p" | "moriio" | "moriio-legacy"
