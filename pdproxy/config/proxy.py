@@ -83,7 +83,7 @@ class ProxyConfig:
     render_once: bool = False
     render: tuple[EngineAddress, ...] = ()
     workers: int = 1  # serving processes (pdproxy.runtime); 1: this process serves
-    # This pdproxy's hop marker in the Via header of its legs (pdproxy.membership.guard): random per
+    # This pdproxy's hop marker in the Via header of its legs (pdproxy.wire.hop): random per
     # run, the same in every --workers process (they get this config).
     hop_id: str = field(default_factory=lambda: secrets.token_hex(8), repr=False, compare=False)
 

@@ -33,7 +33,6 @@ from pdproxy.config.addresses import (
 from pdproxy.errors import ConfigError
 
 _FIB_TRIE = "/proc/net/fib_trie"  # every local IPv4 address, secondary ones included
-
 _IF_INET6 = "/proc/net/if_inet6"
 
 

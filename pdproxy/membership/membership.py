@@ -8,7 +8,7 @@ and whatever the connector must learn from it (Mooncake's engine ids); under
 Probes run on the event loop in the background; a sweep timer expires, re-probes and finishes
 drains.
 
-Every source first passes ``InstanceGuard`` (``pdproxy.membership.guard``): an instance that is this
+Every source first passes ``InstanceGuard`` (``guard``): an instance that is this
 pdproxy's own listener (a routing loop) or another spelling of a known instance is refused.
 
 Observers (``observe``) hear what this process learns by itself: heartbeats, admin
