@@ -8,13 +8,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from pdproxy.cli.flags import build_parser
-from pdproxy.cli.main import ENV_PREFIX, _apply_env, config_from_args
+from pdproxy.cli.flag import GROUPS, config_default
+from pdproxy.cli.flags import FLAGS, build_parser
+from pdproxy.cli.main import ENV_PREFIX, _apply_env, config_from_args, parse_config
 
 SNAPSHOT = Path(__file__).with_name("flags_snapshot.json")
 BASE = ["--prefill", "p:8100", "--decode", "d:8200"]
@@ -95,10 +97,10 @@ def _config(argv: list[str]) -> dict[str, Any] | None:
 
 def _number_samples(action: argparse.Action) -> list[list[str]]:
     default = action.default
-    kind = action.type
+    kind: Any = action.type  # int or float: every flag without a sample is a number
     picks = [default * 2, default + 1, default / 2, 0.5, 1, 2, 3, 0, 1024]
     name = action.option_strings[0]
-    return [[name, str(kind(p))] for p in picks if kind(p) != default]  # type: ignore[misc]
+    return [[name, str(kind(p))] for p in picks if kind(p) != default]
 
 
 def _sets(action: argparse.Action, base: dict[str, Any], d: str) -> dict[str, Any]:
@@ -170,3 +172,51 @@ def test_each_flag_reads_its_environment_variable_the_same() -> None:
         assert from_env == _config(argv), row["flags"]
         checked += 1
     assert checked > 60
+
+
+def test_help_shows_the_groups_and_every_flag_sits_in_one() -> None:
+    groups = {g.title: g._group_actions for g in build_parser()._action_groups}
+    for title in ("listener", "fleet", "scheduling", "resilience", "security", "observability"):
+        assert any(str(t).startswith(title) and actions for t, actions in groups.items()), title
+    assert any(str(t).startswith("scale-out") for t in groups)
+    assert [a.dest for a in groups["options"]] == ["help"]  # argparse's default group: -h only
+    assert {f.group for f in FLAGS} == set(GROUPS)
+
+
+def test_each_field_is_a_config_field_and_each_flag_reaches_the_config() -> None:
+    read_by_others = {"policy", "api_key_file", "engine_api_key_file", "admin_api_key"}
+    for flag in FLAGS:
+        if flag.field is None:
+            assert flag.dest in read_by_others, flag.names
+        else:
+            config_default(flag.field)  # raises KeyError for a field ProxyConfig does not have
+    assert len({f.dest for f in FLAGS}) == len(FLAGS)
+
+
+def test_admin_key_precedence(tmp_path: Path) -> None:
+    """--admin-api-key-file, then PDPROXY_ADMIN_API_KEY, then ADMIN_API_KEY."""
+    key_file = tmp_path / "admin"
+    key_file.write_text("from-file\n")
+    both = {"PDPROXY_ADMIN_API_KEY": "prefixed", "ADMIN_API_KEY": "plain"}
+    assert parse_config(BASE, both).admin_api_key == "prefixed"
+    assert parse_config(BASE, {"ADMIN_API_KEY": "plain"}).admin_api_key == "plain"
+    assert parse_config(BASE, {"PDPROXY_ADMIN_API_KEY": "prefixed"}).admin_api_key == "prefixed"
+    with_file = [*BASE, "--admin-api-key-file", str(key_file)]
+    assert parse_config(with_file, both).admin_api_key == "from-file"
+    assert parse_config(BASE, {}).admin_api_key is None
+    options = {o for a in build_parser()._actions for o in a.option_strings}
+    assert "--admin-api-key" not in options  # the key itself never on a command line (ps)
+
+
+def test_every_flag_is_documented_and_every_documented_flag_exists() -> None:
+    root = Path(__file__).parents[2]
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    text = "\n".join(p.read_text() for p in docs)
+    names = {n for f in FLAGS for n in f.names}
+    for flag in FLAGS:
+        assert not flag.names or flag.names[0] in text, flag.names
+    rows = [
+        line for line in (root / "README.md").read_text().splitlines() if line.startswith("| `--")
+    ]
+    in_table = set(re.findall(r"--[a-z][a-z0-9-]*", " ".join(r.split("|")[1] for r in rows)))
+    assert in_table - {"--no-access-log"} <= names
