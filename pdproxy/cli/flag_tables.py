@@ -99,40 +99,41 @@ SCHEDULING_FLAGS = (
 )
 
 
-def _resilience(names: tuple[str, ...], field: str, kind: type, text: str) -> Flag:
-    return Flag(names=names, group=RESILIENCE, help=text, field=field, type=kind)
-
-
 RESILIENCE_FLAGS = (
-    _resilience(
-        ("--max-retries", "--retry-max-retries"),
-        "retry.max_retries",
-        int,
-        "Retries of a failed leg on another instance before the response starts (0: none).",
+    Flag(
+        names=("--max-retries", "--retry-max-retries"),
+        group=RESILIENCE,
+        help="Retries of a failed leg on another instance before the response starts (0: none).",
+        field="retry.max_retries",
+        type=int,
     ),
-    _resilience(
-        ("--prefill-timeout-secs",),
-        "timeouts.prefill",
-        float,
-        "Seconds a prefill leg may take in all before it is retried elsewhere.",
+    Flag(
+        names=("--prefill-timeout-secs",),
+        group=RESILIENCE,
+        help="Seconds a prefill leg may take in all before it is retried elsewhere.",
+        field="timeouts.prefill",
+        type=float,
     ),
-    _resilience(
-        ("--decode-header-timeout-secs",),
-        "timeouts.decode_headers",
-        float,
-        "Seconds to wait for a streaming decode's response headers before retrying elsewhere.",
+    Flag(
+        names=("--decode-header-timeout-secs",),
+        group=RESILIENCE,
+        help="Seconds to wait for a streaming decode's response headers before retrying elsewhere.",
+        field="timeouts.decode_headers",
+        type=float,
     ),
-    _resilience(
-        ("--retry-budget-ratio",),
-        "retry.budget_ratio",
-        float,
-        "Retries allowed as a share of the requests of the last 10 s, fleet-wide.",
+    Flag(
+        names=("--retry-budget-ratio",),
+        group=RESILIENCE,
+        help="Retries allowed as a share of the requests of the last 10 s, fleet-wide.",
+        field="retry.budget_ratio",
+        type=float,
     ),
-    _resilience(
-        ("--retry-budget-min-per-sec",),
-        "retry.budget_min_per_sec",
-        float,
-        "Retries per second always allowed on top of the ratio.",
+    Flag(
+        names=("--retry-budget-min-per-sec",),
+        group=RESILIENCE,
+        help="Retries per second always allowed on top of the ratio.",
+        field="retry.budget_min_per_sec",
+        type=float,
     ),
     Flag(
         names=("--retry-initial-backoff-ms",),
@@ -152,32 +153,40 @@ RESILIENCE_FLAGS = (
         default=_R.max_backoff * 1000,
         convert=values.seconds("retry_max_backoff_ms"),
     ),
-    _resilience(
-        ("--health-check-interval-secs",),
-        "health.interval",
-        float,
-        "Seconds between active health checks of every instance (0: off).",
+    Flag(
+        names=("--health-check-interval-secs",),
+        group=RESILIENCE,
+        help="Seconds between active health checks of every instance (0: off).",
+        field="health.interval",
+        type=float,
     ),
-    _resilience(
-        ("--health-check-timeout-secs",), "health.timeout", float, "Timeout of one health check."
+    Flag(
+        names=("--health-check-timeout-secs",),
+        group=RESILIENCE,
+        help="Timeout of one health check.",
+        field="health.timeout",
+        type=float,
     ),
-    _resilience(
-        ("--engine-metrics-interval-secs",),
-        "health.engine_metrics_interval",
-        float,
-        "Seconds between scrapes of every instance's /metrics for its load (0: off).",
+    Flag(
+        names=("--engine-metrics-interval-secs",),
+        group=RESILIENCE,
+        help="Seconds between scrapes of every instance's /metrics for its load (0: off).",
+        field="health.engine_metrics_interval",
+        type=float,
     ),
-    _resilience(
-        ("--health-failure-threshold",),
-        "health.failure_threshold",
-        int,
-        "Failed checks in a row that make an instance unhealthy (not routable).",
+    Flag(
+        names=("--health-failure-threshold",),
+        group=RESILIENCE,
+        help="Failed checks in a row that make an instance unhealthy (not routable).",
+        field="health.failure_threshold",
+        type=int,
     ),
-    _resilience(
-        ("--health-success-threshold",),
-        "health.success_threshold",
-        int,
-        "Passed checks in a row that make an unhealthy instance healthy again.",
+    Flag(
+        names=("--health-success-threshold",),
+        group=RESILIENCE,
+        help="Passed checks in a row that make an unhealthy instance healthy again.",
+        field="health.success_threshold",
+        type=int,
     ),
     Flag(
         names=("--health-check-endpoint",),
@@ -185,52 +194,57 @@ RESILIENCE_FLAGS = (
         help="Path the health checks GET.",
         field="health.endpoint",
     ),
-    _resilience(
-        ("--warm-pairs",),
-        "health.warm_pairs",
-        int,
-        "Peers of the other role a new instance warms a P/D pair with (one tiny PD request"
+    Flag(
+        names=("--warm-pairs",),
+        group=RESILIENCE,
+        help="Peers of the other role a new instance warms a P/D pair with (one tiny PD request"
         " each, the connector's handshake) before it is routable (0: off).",
+        field="health.warm_pairs",
+        type=int,
     ),
-    _resilience(
-        ("--warm-timeout-secs",),
-        "health.warm_timeout",
-        float,
-        "Longest a new instance waits for its warm-up before it is routable anyway.",
+    Flag(
+        names=("--warm-timeout-secs",),
+        group=RESILIENCE,
+        help="Longest a new instance waits for its warm-up before it is routable anyway.",
+        field="health.warm_timeout",
+        type=float,
     ),
-    _resilience(
-        ("--outlier-consecutive-failures", "--cb-failure-threshold"),
-        "outlier.consecutive_failures",
-        int,
-        "Failed legs in a row that eject an instance from rotation (0: never eject).",
+    Flag(
+        names=("--outlier-consecutive-failures", "--cb-failure-threshold"),
+        group=RESILIENCE,
+        help="Failed legs in a row that eject an instance from rotation (0: never eject).",
+        field="outlier.consecutive_failures",
+        type=int,
     ),
-    _resilience(
-        ("--outlier-base-ejection-secs", "--cb-timeout-duration-secs"),
-        "outlier.base_ejection",
-        float,
-        "First ejection's length; it doubles on each re-ejection.",
+    Flag(
+        names=("--outlier-base-ejection-secs", "--cb-timeout-duration-secs"),
+        group=RESILIENCE,
+        help="First ejection's length; it doubles on each re-ejection.",
+        field="outlier.base_ejection",
+        type=float,
     ),
-    _resilience(
-        ("--outlier-max-ejection-secs",), "outlier.max_ejection", float, "Longest ejection."
+    Flag(
+        names=("--outlier-max-ejection-secs",),
+        group=RESILIENCE,
+        help="Longest ejection.",
+        field="outlier.max_ejection",
+        type=float,
     ),
-    _resilience(
-        ("--overload-cooldown-secs",),
-        "outlier.overload_cooldown",
-        float,
-        "After an engine answers 429 or 408, send new requests to its peers first this long.",
+    Flag(
+        names=("--overload-cooldown-secs",),
+        group=RESILIENCE,
+        help="After an engine answers 429 or 408, send new requests to its peers first this long.",
+        field="outlier.overload_cooldown",
+        type=float,
     ),
-    _resilience(
-        ("--max-ejection-percent",),
-        "outlier.max_ejection_percent",
-        float,
-        "Most of a role's instances ejected at once, in percent (never the last one).",
+    Flag(
+        names=("--max-ejection-percent",),
+        group=RESILIENCE,
+        help="Most of a role's instances ejected at once, in percent (never the last one).",
+        field="outlier.max_ejection_percent",
+        type=float,
     ),
 )
-
-
-def _secret(names: tuple[str, ...], field: str | None, text: str) -> Flag:
-    """A path or key given as is (a file's content is read by its partner's ``convert``)."""
-    return Flag(names=names, group=SECURITY, help=text, field=field, default=None)
 
 
 SECURITY_FLAGS = (
@@ -245,7 +259,13 @@ SECURITY_FLAGS = (
         metavar="KEY",
         convert=values.client_keys,
     ),
-    _secret(("--api-key-file",), None, "File of client keys, one per line."),
+    Flag(
+        names=("--api-key-file",),
+        group=SECURITY,
+        help="File of client keys, one per line.",
+        field=None,
+        default=None,
+    ),
     Flag(
         names=("--protect-metrics",),
         group=SECURITY,
@@ -296,10 +316,34 @@ SECURITY_FLAGS = (
         field="engine_api_key",
         convert=values.engine_key,
     ),
-    _secret(("--engine-api-key-file",), None, "File holding --engine-api-key."),
-    _secret(("--ssl-keyfile",), "tls.keyfile", "Private key of pdproxy's HTTPS listener."),
-    _secret(("--ssl-certfile",), "tls.certfile", "Certificate of the HTTPS listener."),
-    _secret(("--ssl-ca-certs",), "tls.ca_certs", "CA that signs client certificates."),
+    Flag(
+        names=("--engine-api-key-file",),
+        group=SECURITY,
+        help="File holding --engine-api-key.",
+        field=None,
+        default=None,
+    ),
+    Flag(
+        names=("--ssl-keyfile",),
+        group=SECURITY,
+        help="Private key of pdproxy's HTTPS listener.",
+        field="tls.keyfile",
+        default=None,
+    ),
+    Flag(
+        names=("--ssl-certfile",),
+        group=SECURITY,
+        help="Certificate of the HTTPS listener.",
+        field="tls.certfile",
+        default=None,
+    ),
+    Flag(
+        names=("--ssl-ca-certs",),
+        group=SECURITY,
+        help="CA that signs client certificates.",
+        field="tls.ca_certs",
+        default=None,
+    ),
     Flag(
         names=("--ssl-cert-reqs",),
         group=SECURITY,
@@ -308,9 +352,25 @@ SECURITY_FLAGS = (
         type=int,
         choices=CERT_REQS,
     ),
-    _secret(
-        ("--engine-ca-certs",), "engine_tls.ca_certs", "CA of https:// engines (else the system's)."
+    Flag(
+        names=("--engine-ca-certs",),
+        group=SECURITY,
+        help="CA of https:// engines (else the system's).",
+        field="engine_tls.ca_certs",
+        default=None,
     ),
-    _secret(("--engine-client-cert",), "engine_tls.certfile", "Client certificate for mTLS."),
-    _secret(("--engine-client-key",), "engine_tls.keyfile", "Its private key."),
+    Flag(
+        names=("--engine-client-cert",),
+        group=SECURITY,
+        help="Client certificate for mTLS.",
+        field="engine_tls.certfile",
+        default=None,
+    ),
+    Flag(
+        names=("--engine-client-key",),
+        group=SECURITY,
+        help="Its private key.",
+        field="engine_tls.keyfile",
+        default=None,
+    ),
 )

@@ -25,90 +25,88 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _URLS = "host:port or http(s)://host:port"
 
 
-def _number(group: str, names: tuple[str, ...], field: str, kind: type, text: str) -> Flag:
-    return Flag(names=names, group=group, help=text, field=field, type=kind)
-
-
 LISTENER_FLAGS = (
     Flag(names=("--host",), group=LISTENER, help="Address the proxy listens on.", field="host"),
-    _number(LISTENER, ("--port",), "port", int, "Port the proxy listens on."),
-    _number(
-        LISTENER,
-        ("--max-body-bytes", "--max-payload-size"),
-        "max_body_bytes",
-        int,
-        "Largest request body accepted; larger ones get 413.",
+    Flag(
+        names=("--port",), group=LISTENER, help="Port the proxy listens on.", field="port", type=int
     ),
-    _number(
-        LISTENER,
-        ("--max-request-head-bytes",),
-        "clients.max_head_bytes",
-        int,
-        "Largest request head (request line and headers); larger ones get 431.",
+    Flag(
+        names=("--max-body-bytes", "--max-payload-size"),
+        group=LISTENER,
+        help="Largest request body accepted; larger ones get 413.",
+        field="max_body_bytes",
+        type=int,
     ),
-    _number(
-        LISTENER,
-        ("--max-request-headers",),
-        "clients.max_headers",
-        int,
-        "Most header fields in a request (431).",
+    Flag(
+        names=("--max-request-head-bytes",),
+        group=LISTENER,
+        help="Largest request head (request line and headers); larger ones get 431.",
+        field="clients.max_head_bytes",
+        type=int,
     ),
-    _number(
-        LISTENER,
-        ("--client-header-timeout-secs",),
-        "clients.header_timeout",
-        float,
-        "A request head must arrive whole this long after the connect or the last response.",
+    Flag(
+        names=("--max-request-headers",),
+        group=LISTENER,
+        help="Most header fields in a request (431).",
+        field="clients.max_headers",
+        type=int,
     ),
-    _number(
-        LISTENER,
-        ("--client-body-timeout-secs",),
-        "clients.body_timeout",
-        float,
-        "A request body silent this long closes its connection (408 if unanswered).",
+    Flag(
+        names=("--client-header-timeout-secs",),
+        group=LISTENER,
+        help="A request head must arrive whole this long after the connect or the last response.",
+        field="clients.header_timeout",
+        type=float,
     ),
-    _number(
-        LISTENER,
-        ("--client-keepalive-timeout-secs",),
-        "clients.keepalive_timeout",
-        int,
-        "Idle keep-alive connections are closed after this (uvicorn's timeout_keep_alive).",
+    Flag(
+        names=("--client-body-timeout-secs",),
+        group=LISTENER,
+        help="A request body silent this long closes its connection (408 if unanswered).",
+        field="clients.body_timeout",
+        type=float,
     ),
-    _number(
-        LISTENER,
-        ("--max-client-connections",),
-        "clients.max_connections",
-        int,
-        "Client connections per process (0: half the open-file limit); past it the longest"
+    Flag(
+        names=("--client-keepalive-timeout-secs",),
+        group=LISTENER,
+        help="Idle keep-alive connections are closed after this (uvicorn's timeout_keep_alive).",
+        field="clients.keepalive_timeout",
+        type=int,
+    ),
+    Flag(
+        names=("--max-client-connections",),
+        group=LISTENER,
+        help="Client connections per process (0: half the open-file limit); past it the longest"
         " idle one is closed, or the new one gets 503.",
+        field="clients.max_connections",
+        type=int,
     ),
-    _number(
-        LISTENER,
-        ("--max-concurrent-requests",),
-        "admission.max_concurrent",
-        int,
-        "Client requests served at once (0: no limit); more wait in the queue.",
+    Flag(
+        names=("--max-concurrent-requests",),
+        group=LISTENER,
+        help="Client requests served at once (0: no limit); more wait in the queue.",
+        field="admission.max_concurrent",
+        type=int,
     ),
-    _number(
-        LISTENER,
-        ("--max-queued-requests",),
-        "admission.max_queued",
-        int,
-        "Requests that may wait for a slot; more get 429 at once.",
+    Flag(
+        names=("--max-queued-requests",),
+        group=LISTENER,
+        help="Requests that may wait for a slot; more get 429 at once.",
+        field="admission.max_queued",
+        type=int,
     ),
-    _number(
-        LISTENER,
-        ("--queue-timeout-secs",),
-        "admission.queue_timeout",
-        float,
-        "Longest wait for a slot before a 429.",
+    Flag(
+        names=("--queue-timeout-secs",),
+        group=LISTENER,
+        help="Longest wait for a slot before a 429.",
+        field="admission.queue_timeout",
+        type=float,
     ),
-    _number(
-        LISTENER,
-        ("--shutdown-timeout-secs",),
-        "shutdown_timeout",
-        float,
-        "On SIGTERM, how long requests in flight may finish before their streams are ended.",
+    Flag(
+        names=("--shutdown-timeout-secs",),
+        group=LISTENER,
+        help="On SIGTERM, how long requests in flight may finish before their streams are ended.",
+        field="shutdown_timeout",
+        type=float,
     ),
 )
 
@@ -154,12 +152,12 @@ FLEET_FLAGS = (
         type=str.upper,
         choices=TRANSFER_MODES,
     ),
-    _number(
-        FLEET,
-        ("--registry-port",),
-        "registry.port",
-        int,
-        "ZMQ registry port engines register with (off unless given; e.g. 30001, 36367).",
+    Flag(
+        names=("--registry-port",),
+        group=FLEET,
+        help="ZMQ registry port engines register with (off unless given; e.g. 30001, 36367).",
+        field="registry.port",
+        type=int,
     ),
     Flag(
         names=("--registry-host",),
@@ -167,64 +165,65 @@ FLEET_FLAGS = (
         help="Address the ZMQ registry binds to.",
         field="registry.host",
     ),
-    _number(
-        FLEET,
-        ("--registry-max-message-bytes",),
-        "registry.max_message_bytes",
-        int,
-        "Largest registration message; a peer sending a larger one is disconnected.",
+    Flag(
+        names=("--registry-max-message-bytes",),
+        group=FLEET,
+        help="Largest registration message; a peer sending a larger one is disconnected.",
+        field="registry.max_message_bytes",
+        type=int,
     ),
-    _number(
-        FLEET,
-        ("--registry-ttl",),
-        "registry.ttl",
-        float,
-        "Seconds after its last heartbeat a registered instance is forgotten.",
+    Flag(
+        names=("--registry-ttl",),
+        group=FLEET,
+        help="Seconds after its last heartbeat a registered instance is forgotten.",
+        field="registry.ttl",
+        type=float,
     ),
 )
 
 UPSTREAM_FLAGS = (
-    _number(
-        UPSTREAM,
-        ("--connect-timeout-secs",),
-        "timeouts.connect",
-        float,
-        "Seconds to wait for a TCP connection to an engine.",
+    Flag(
+        names=("--connect-timeout-secs",),
+        group=UPSTREAM,
+        help="Seconds to wait for a TCP connection to an engine.",
+        field="timeouts.connect",
+        type=float,
     ),
-    _number(
-        UPSTREAM,
-        ("--request-timeout-secs",),
-        "timeouts.read",
-        float,
-        "Seconds an engine may stay silent (before its answer or between two chunks).",
+    Flag(
+        names=("--request-timeout-secs",),
+        group=UPSTREAM,
+        help="Seconds an engine may stay silent (before its answer or between two chunks).",
+        field="timeouts.read",
+        type=float,
     ),
-    _number(
-        UPSTREAM,
-        ("--max-connections",),
-        "pool.max_connections",
-        int,
-        "Cap on upstream connections in total (0 = no cap).",
+    Flag(
+        names=("--max-connections",),
+        group=UPSTREAM,
+        help="Cap on upstream connections in total (0 = no cap).",
+        field="pool.max_connections",
+        type=int,
     ),
-    _number(
-        UPSTREAM,
-        ("--max-connections-per-host",),
-        "pool.max_connections_per_host",
-        int,
-        "Cap on upstream connections per engine (0 = no cap).",
+    Flag(
+        names=("--max-connections-per-host",),
+        group=UPSTREAM,
+        help="Cap on upstream connections per engine (0 = no cap).",
+        field="pool.max_connections_per_host",
+        type=int,
     ),
-    _number(
-        UPSTREAM,
-        ("--keepalive-expiry-secs",),
-        "pool.keepalive_expiry",
-        float,
-        "Idle pooled connections are closed after this, below vLLM's 5 s keep-alive.",
+    Flag(
+        names=("--keepalive-expiry-secs",),
+        group=UPSTREAM,
+        help="Idle pooled connections are closed after this, below vLLM's 5 s keep-alive.",
+        field="pool.keepalive_expiry",
+        type=float,
     ),
-    _number(
-        UPSTREAM,
-        ("--max-response-body-bytes",),
-        "pool.max_response_body_bytes",
-        int,
-        "Cap on an engine answer read whole (streams are relayed); past it the leg fails (502).",
+    Flag(
+        names=("--max-response-body-bytes",),
+        group=UPSTREAM,
+        help="Cap on an engine answer read whole (streams are relayed); past it the leg fails"
+        " (502).",
+        field="pool.max_response_body_bytes",
+        type=int,
     ),
 )
 
@@ -269,13 +268,13 @@ OBSERVABILITY_FLAGS = (
 )
 
 SCALE_OUT_FLAGS = (
-    _number(
-        SCALE_OUT,
-        ("--workers",),
-        "workers",
-        int,
-        "Serving processes on the one port (SO_REUSEPORT), supervised by the parent,"
+    Flag(
+        names=("--workers",),
+        group=SCALE_OUT,
+        help="Serving processes on the one port (SO_REUSEPORT), supervised by the parent,"
         " which owns the membership (1: a single process, as without the flag).",
+        field="workers",
+        type=int,
     ),
     Flag(
         names=("--registry-backend",),
