@@ -1,248 +1,376 @@
-"""pdproxy's numeric command-line flags as tables: (flags, type, default, help), one line
-each, the defaults taken from the config classes (``pdproxy.cli.flags`` adds them by group)."""
+"""The flags of the scheduling, resilience and security groups, one ``Flag`` each (the others are
+in ``pdproxy.cli.flags``); defaults come from the config fields they set."""
 
 from __future__ import annotations
 
-from pdproxy.config.listener import AdmissionConfig, ClientLimits
-from pdproxy.config.resilience import HealthConfig, OutlierConfig, RetryConfig
-from pdproxy.config.scheduling import SchedulingConfig
-from pdproxy.config.upstream import PoolLimits, Timeouts
+from pdproxy.cli import values
+from pdproxy.cli.flag import RESILIENCE, SCHEDULING, SECURITY, Flag
+from pdproxy.config.listener import CERT_REQS
+from pdproxy.config.resilience import RetryConfig
+from pdproxy.config.scheduling import DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY, POLICIES
 
-# Numeric flags, as (flags, type, default, help): one line each, defaults from the config.
-_T, _R, _H, _O, _A = Timeouts(), RetryConfig(), HealthConfig(), OutlierConfig(), AdmissionConfig()
-NumberFlag = tuple[tuple[str, ...], type, float, str]
-_S = SchedulingConfig()
-_C = ClientLimits()
+_S, _R = "scheduling.", RetryConfig()
 
-SCHEDULING: tuple[NumberFlag, ...] = (
-    (
-        ("--pd-threshold-tokens",),
-        int,
-        _S.pd_threshold_tokens,
-        "Prompts estimated under this many uncached tokens skip the prefill (0: never).",
+SCHEDULING_FLAGS = (
+    Flag(
+        names=("--policy",),
+        group=SCHEDULING,
+        help=f"Scheduling policy for both roles: {', '.join(POLICIES)} (vllm-router's spellings"
+        " such as round_robin and cache_aware are accepted).",
+        field=None,  # read by the two below
+        default=None,
     ),
-    (("--chars-per-token",), float, _S.chars_per_token, "Characters per token, for estimates."),
-    (
-        ("--prefix-block-chars",),
-        int,
-        _S.prefix_block_chars,
-        "Characters per block of the prefix index.",
+    Flag(
+        names=("--prefill-policy",),
+        group=SCHEDULING,
+        help=f"Prefill policy [{DEFAULT_PREFILL_POLICY}].",
+        field=_S + "prefill_policy",
+        convert=values.prefill_policy,
     ),
-    (
-        ("--prefix-index-max-blocks",),
-        int,
-        _S.prefix_index_max_blocks,
-        "Blocks the prefix index keeps per role (LRU; about 100 bytes each).",
+    Flag(
+        names=("--decode-policy",),
+        group=SCHEDULING,
+        help=f"Decode policy [{DEFAULT_DECODE_POLICY}].",
+        field=_S + "decode_policy",
+        convert=values.decode_policy,
     ),
-    (
-        ("--cache-threshold",),
-        float,
-        _S.cache_threshold,
-        "prefix-affinity ignores matches under this share of the prompt (SMG's name).",
+    Flag(
+        names=("--session-header",),
+        group=SCHEDULING,
+        help="Header holding the consistent-hash session key (else the body's user field).",
+        field=_S + "session_header",
     ),
-    (
-        ("--balance-abs-threshold",),
-        float,
-        _S.balance_abs_threshold,
-        "prefix-affinity skips instances this many requests busier than the least busy...",
+    Flag(
+        names=("--decode-only-fallback",),
+        group=SCHEDULING,
+        help="With no prefill routable, serve requests on a decode alone instead of a 503.",
+        field=_S + "decode_only_fallback",
+        action="store_true",
     ),
-    (
-        ("--balance-rel-threshold",),
-        float,
-        _S.balance_rel_threshold,
-        "...and this many times as busy.",
+    Flag(
+        names=("--pd-threshold-tokens",),
+        group=SCHEDULING,
+        help="Prompts estimated under this many uncached tokens skip the prefill (0: never).",
+        field=_S + "pd_threshold_tokens",
+        type=int,
+    ),
+    Flag(
+        names=("--chars-per-token",),
+        group=SCHEDULING,
+        help="Characters per token, for estimates.",
+        field=_S + "chars_per_token",
+        type=float,
+    ),
+    Flag(
+        names=("--prefix-block-chars",),
+        group=SCHEDULING,
+        help="Characters per block of the prefix index.",
+        field=_S + "prefix_block_chars",
+        type=int,
+    ),
+    Flag(
+        names=("--prefix-index-max-blocks",),
+        group=SCHEDULING,
+        help="Blocks the prefix index keeps per role (LRU; about 100 bytes each).",
+        field=_S + "prefix_index_max_blocks",
+        type=int,
+    ),
+    Flag(
+        names=("--cache-threshold",),
+        group=SCHEDULING,
+        help="prefix-affinity ignores matches under this share of the prompt (SMG's name).",
+        field=_S + "cache_threshold",
+        type=float,
+    ),
+    Flag(
+        names=("--balance-abs-threshold",),
+        group=SCHEDULING,
+        help="prefix-affinity skips instances this many requests busier than the least busy...",
+        field=_S + "balance_abs_threshold",
+        type=float,
+    ),
+    Flag(
+        names=("--balance-rel-threshold",),
+        group=SCHEDULING,
+        help="...and this many times as busy.",
+        field=_S + "balance_rel_threshold",
+        type=float,
     ),
 )
 
-CLIENTS: tuple[NumberFlag, ...] = (
-    (
-        ("--max-request-head-bytes",),
-        int,
-        _C.max_head_bytes,
-        "Largest request head (request line and headers); larger ones get 431.",
+
+RESILIENCE_FLAGS = (
+    Flag(
+        names=("--max-retries", "--retry-max-retries"),
+        group=RESILIENCE,
+        help="Retries of a failed leg on another instance before the response starts (0: none).",
+        field="retry.max_retries",
+        type=int,
     ),
-    (("--max-request-headers",), int, _C.max_headers, "Most header fields in a request (431)."),
-    (
-        ("--client-header-timeout-secs",),
-        float,
-        _C.header_timeout,
-        "A request head must arrive whole this long after the connect or the last response.",
+    Flag(
+        names=("--prefill-timeout-secs",),
+        group=RESILIENCE,
+        help="Seconds a prefill leg may take in all before it is retried elsewhere.",
+        field="timeouts.prefill",
+        type=float,
     ),
-    (
-        ("--client-body-timeout-secs",),
-        float,
-        _C.body_timeout,
-        "A request body silent this long closes its connection (408 if unanswered).",
+    Flag(
+        names=("--decode-header-timeout-secs",),
+        group=RESILIENCE,
+        help="Seconds to wait for a streaming decode's response headers before retrying elsewhere.",
+        field="timeouts.decode_headers",
+        type=float,
     ),
-    (
-        ("--client-keepalive-timeout-secs",),
-        int,
-        _C.keepalive_timeout,
-        "Idle keep-alive connections are closed after this (uvicorn's timeout_keep_alive).",
+    Flag(
+        names=("--retry-budget-ratio",),
+        group=RESILIENCE,
+        help="Retries allowed as a share of the requests of the last 10 s, fleet-wide.",
+        field="retry.budget_ratio",
+        type=float,
     ),
-    (
-        ("--max-client-connections",),
-        int,
-        _C.max_connections,
-        "Client connections per process (0: half the open-file limit); past it the longest"
-        " idle one is closed, or the new one gets 503.",
+    Flag(
+        names=("--retry-budget-min-per-sec",),
+        group=RESILIENCE,
+        help="Retries per second always allowed on top of the ratio.",
+        field="retry.budget_min_per_sec",
+        type=float,
     ),
-)
-UPSTREAM: tuple[NumberFlag, ...] = (
-    (
-        ("--connect-timeout-secs",),
-        float,
-        _T.connect,
-        "Seconds to wait for a TCP connection to an engine.",
+    Flag(
+        names=("--retry-initial-backoff-ms",),
+        group=RESILIENCE,
+        help="Backoff before retrying once every instance of a role was tried.",
+        field="retry.initial_backoff",
+        type=float,
+        default=_R.initial_backoff * 1000,
+        convert=values.seconds("retry_initial_backoff_ms"),
     ),
-    (
-        ("--request-timeout-secs",),
-        float,
-        _T.read,
-        "Seconds an engine may stay silent (before its answer or between two chunks).",
+    Flag(
+        names=("--retry-max-backoff-ms",),
+        group=RESILIENCE,
+        help="Longest such backoff.",
+        field="retry.max_backoff",
+        type=float,
+        default=_R.max_backoff * 1000,
+        convert=values.seconds("retry_max_backoff_ms"),
     ),
-    (("--max-connections",), int, 0, "Cap on upstream connections in total (0 = no cap)."),
-    (
-        ("--max-connections-per-host",),
-        int,
-        0,
-        "Cap on upstream connections per engine (0 = no cap).",
+    Flag(
+        names=("--health-check-interval-secs",),
+        group=RESILIENCE,
+        help="Seconds between active health checks of every instance (0: off).",
+        field="health.interval",
+        type=float,
     ),
-    (
-        ("--keepalive-expiry-secs",),
-        float,
-        4.0,
-        "Idle pooled connections are closed after this, below vLLM's 5 s keep-alive.",
+    Flag(
+        names=("--health-check-timeout-secs",),
+        group=RESILIENCE,
+        help="Timeout of one health check.",
+        field="health.timeout",
+        type=float,
     ),
-    (
-        ("--max-response-body-bytes",),
-        int,
-        PoolLimits().max_response_body_bytes,
-        "Cap on an engine answer read whole (streams are relayed); past it the leg fails (502).",
+    Flag(
+        names=("--engine-metrics-interval-secs",),
+        group=RESILIENCE,
+        help="Seconds between scrapes of every instance's /metrics for its load (0: off).",
+        field="health.engine_metrics_interval",
+        type=float,
     ),
-)
-RETRY: tuple[NumberFlag, ...] = (
-    (
-        ("--max-retries", "--retry-max-retries"),
-        int,
-        _R.max_retries,
-        "Retries of a failed leg on another instance before the response starts (0: none).",
+    Flag(
+        names=("--health-failure-threshold",),
+        group=RESILIENCE,
+        help="Failed checks in a row that make an instance unhealthy (not routable).",
+        field="health.failure_threshold",
+        type=int,
     ),
-    (
-        ("--prefill-timeout-secs",),
-        float,
-        _T.prefill,
-        "Seconds a prefill leg may take in all before it is retried elsewhere.",
+    Flag(
+        names=("--health-success-threshold",),
+        group=RESILIENCE,
+        help="Passed checks in a row that make an unhealthy instance healthy again.",
+        field="health.success_threshold",
+        type=int,
     ),
-    (
-        ("--decode-header-timeout-secs",),
-        float,
-        _T.decode_headers,
-        "Seconds to wait for a streaming decode's response headers before retrying elsewhere.",
+    Flag(
+        names=("--health-check-endpoint",),
+        group=RESILIENCE,
+        help="Path the health checks GET.",
+        field="health.endpoint",
     ),
-    (
-        ("--retry-budget-ratio",),
-        float,
-        _R.budget_ratio,
-        "Retries allowed as a share of the requests of the last 10 s, fleet-wide.",
-    ),
-    (
-        ("--retry-budget-min-per-sec",),
-        float,
-        _R.budget_min_per_sec,
-        "Retries per second always allowed on top of the ratio.",
-    ),
-    (
-        ("--retry-initial-backoff-ms",),
-        float,
-        _R.initial_backoff * 1000,
-        "Backoff before retrying once every instance of a role was tried.",
-    ),
-    (("--retry-max-backoff-ms",), float, _R.max_backoff * 1000, "Longest such backoff."),
-)
-HEALTH: tuple[NumberFlag, ...] = (
-    (
-        ("--health-check-interval-secs",),
-        float,
-        _H.interval,
-        "Seconds between active health checks of every instance (0: off).",
-    ),
-    (("--health-check-timeout-secs",), float, _H.timeout, "Timeout of one health check."),
-    (
-        ("--engine-metrics-interval-secs",),
-        float,
-        _H.engine_metrics_interval,
-        "Seconds between scrapes of every instance's /metrics for its load (0: off).",
-    ),
-    (
-        ("--health-failure-threshold",),
-        int,
-        _H.failure_threshold,
-        "Failed checks in a row that make an instance unhealthy (not routable).",
-    ),
-    (
-        ("--health-success-threshold",),
-        int,
-        _H.success_threshold,
-        "Passed checks in a row that make an unhealthy instance healthy again.",
-    ),
-    (
-        ("--warm-pairs",),
-        int,
-        _H.warm_pairs,
-        "Peers of the other role a new instance warms a P/D pair with (one tiny PD request"
+    Flag(
+        names=("--warm-pairs",),
+        group=RESILIENCE,
+        help="Peers of the other role a new instance warms a P/D pair with (one tiny PD request"
         " each, the connector's handshake) before it is routable (0: off).",
+        field="health.warm_pairs",
+        type=int,
     ),
-    (
-        ("--warm-timeout-secs",),
-        float,
-        _H.warm_timeout,
-        "Longest a new instance waits for its warm-up before it is routable anyway.",
+    Flag(
+        names=("--warm-timeout-secs",),
+        group=RESILIENCE,
+        help="Longest a new instance waits for its warm-up before it is routable anyway.",
+        field="health.warm_timeout",
+        type=float,
     ),
-    (
-        ("--outlier-consecutive-failures", "--cb-failure-threshold"),
-        int,
-        _O.consecutive_failures,
-        "Failed legs in a row that eject an instance from rotation (0: never eject).",
+    Flag(
+        names=("--outlier-consecutive-failures", "--cb-failure-threshold"),
+        group=RESILIENCE,
+        help="Failed legs in a row that eject an instance from rotation (0: never eject).",
+        field="outlier.consecutive_failures",
+        type=int,
     ),
-    (
-        ("--outlier-base-ejection-secs", "--cb-timeout-duration-secs"),
-        float,
-        _O.base_ejection,
-        "First ejection's length; it doubles on each re-ejection.",
+    Flag(
+        names=("--outlier-base-ejection-secs", "--cb-timeout-duration-secs"),
+        group=RESILIENCE,
+        help="First ejection's length; it doubles on each re-ejection.",
+        field="outlier.base_ejection",
+        type=float,
     ),
-    (("--outlier-max-ejection-secs",), float, _O.max_ejection, "Longest ejection."),
-    (
-        ("--overload-cooldown-secs",),
-        float,
-        _O.overload_cooldown,
-        "After an engine answers 429 or 408, send new requests to its peers first this long.",
+    Flag(
+        names=("--outlier-max-ejection-secs",),
+        group=RESILIENCE,
+        help="Longest ejection.",
+        field="outlier.max_ejection",
+        type=float,
     ),
-    (
-        ("--max-ejection-percent",),
-        float,
-        _O.max_ejection_percent,
-        "Most of a role's instances ejected at once, in percent (never the last one).",
+    Flag(
+        names=("--overload-cooldown-secs",),
+        group=RESILIENCE,
+        help="After an engine answers 429 or 408, send new requests to its peers first this long.",
+        field="outlier.overload_cooldown",
+        type=float,
+    ),
+    Flag(
+        names=("--max-ejection-percent",),
+        group=RESILIENCE,
+        help="Most of a role's instances ejected at once, in percent (never the last one).",
+        field="outlier.max_ejection_percent",
+        type=float,
     ),
 )
-LIFECYCLE: tuple[NumberFlag, ...] = (
-    (
-        ("--max-concurrent-requests",),
-        int,
-        _A.max_concurrent,
-        "Client requests served at once (0: no limit); more wait in the queue.",
+
+
+SECURITY_FLAGS = (
+    Flag(
+        names=("--api-key",),
+        group=SECURITY,
+        help="Keys clients must send as 'Authorization: Bearer KEY' (as vLLM's --api-key); "
+        "prefer --api-key-file or PDPROXY_API_KEY, which stay out of ps.",
+        field="api_keys",
+        nargs="+",
+        action="extend",
+        metavar="KEY",
+        convert=values.client_keys,
     ),
-    (
-        ("--max-queued-requests",),
-        int,
-        _A.max_queued,
-        "Requests that may wait for a slot; more get 429 at once.",
+    Flag(
+        names=("--api-key-file",),
+        group=SECURITY,
+        help="File of client keys, one per line.",
+        field=None,
+        default=None,
     ),
-    (("--queue-timeout-secs",), float, _A.queue_timeout, "Longest wait for a slot before a 429."),
-    (
-        ("--shutdown-timeout-secs",),
-        float,
-        30.0,
-        "On SIGTERM, how long requests in flight may finish before their streams are ended.",
+    Flag(
+        names=("--protect-metrics",),
+        group=SECURITY,
+        help="/metrics and the dashboard's data (/dashboard/data) need a client key too.",
+        field="protect_metrics",
+        action="store_true",
+    ),
+    Flag(
+        names=("--admin-api-key-file",),
+        group=SECURITY,
+        help="File holding the admin API key (else $ADMIN_API_KEY; with neither, admin is off).",
+        field="admin_api_key",
+        convert=values.admin_key,
+    ),
+    Flag(  # no flag, so that the key stays out of ps; ADMIN_API_KEY is its older name
+        names=(),
+        dest="admin_api_key",
+        group=SECURITY,
+        help="The admin API key (PDPROXY_ADMIN_API_KEY, else ADMIN_API_KEY).",
+        field=None,  # read by --admin-api-key-file's convert, which wins
+        env_aliases=("ADMIN_API_KEY",),
+    ),
+    Flag(
+        names=("--admin-allow-cidr",),
+        group=SECURITY,
+        help="Networks the admin API may add instances from (default: any).",
+        field="admin_allow_cidrs",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="CIDR",
+    ),
+    Flag(
+        names=("--registry-allow-cidr",),
+        group=SECURITY,
+        help="Networks heartbeats are accepted from (default: any).",
+        field="registry.allow_cidrs",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="CIDR",
+    ),
+    Flag(
+        names=("--engine-api-key",),
+        group=SECURITY,
+        help="Key pdproxy sends to engines started with vLLM's --api-key (then the client's "
+        "Authorization is not passed on); prefer --engine-api-key-file.",
+        field="engine_api_key",
+        convert=values.engine_key,
+    ),
+    Flag(
+        names=("--engine-api-key-file",),
+        group=SECURITY,
+        help="File holding --engine-api-key.",
+        field=None,
+        default=None,
+    ),
+    Flag(
+        names=("--ssl-keyfile",),
+        group=SECURITY,
+        help="Private key of pdproxy's HTTPS listener.",
+        field="tls.keyfile",
+        default=None,
+    ),
+    Flag(
+        names=("--ssl-certfile",),
+        group=SECURITY,
+        help="Certificate of the HTTPS listener.",
+        field="tls.certfile",
+        default=None,
+    ),
+    Flag(
+        names=("--ssl-ca-certs",),
+        group=SECURITY,
+        help="CA that signs client certificates.",
+        field="tls.ca_certs",
+        default=None,
+    ),
+    Flag(
+        names=("--ssl-cert-reqs",),
+        group=SECURITY,
+        help="Client certificates: 0 none, 1 optional, 2 required (as uvicorn and vLLM).",
+        field="tls.cert_reqs",
+        type=int,
+        choices=CERT_REQS,
+    ),
+    Flag(
+        names=("--engine-ca-certs",),
+        group=SECURITY,
+        help="CA of https:// engines (else the system's).",
+        field="engine_tls.ca_certs",
+        default=None,
+    ),
+    Flag(
+        names=("--engine-client-cert",),
+        group=SECURITY,
+        help="Client certificate for mTLS.",
+        field="engine_tls.certfile",
+        default=None,
+    ),
+    Flag(
+        names=("--engine-client-key",),
+        group=SECURITY,
+        help="Its private key.",
+        field="engine_tls.keyfile",
+        default=None,
     ),
 )

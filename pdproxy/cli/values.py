@@ -1,0 +1,107 @@
+"""What the few flags that are more than a value turn into (the tables' ``convert``): instance
+addresses, keys read from files, the policies ``--policy`` fills in, milliseconds as seconds."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from pdproxy.config.addresses import parse_engine_url
+from pdproxy.config.registry import parse_registry_backend
+from pdproxy.config.scheduling import DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY
+from pdproxy.errors import ConfigError
+from pdproxy.types import EngineAddress
+
+
+def prefill_addresses(args: argparse.Namespace) -> tuple[EngineAddress, ...]:
+    """``URL [BOOTSTRAP_PORT] URL ...``: a bare port after a URL is its Mooncake bootstrap port."""
+    tokens: Sequence[str] = args.prefill or ()
+    addresses: list[EngineAddress] = []
+    for token in tokens:
+        if token.isdigit():
+            if not addresses or addresses[-1].bootstrap_url is not None:
+                raise ConfigError(f"--prefill: bootstrap port {token} must follow a URL")
+            last = addresses[-1]
+            host = last.url.split("://", 1)[1].rsplit(":", 1)[0]
+            bootstrap = parse_engine_url(f"{host}:{token}")
+            addresses[-1] = dataclasses.replace(last, bootstrap_url=bootstrap)
+        else:
+            addresses.append(EngineAddress(url=parse_engine_url(token)))
+    return tuple(addresses)
+
+
+def addresses(dest: str) -> Callable[[argparse.Namespace], tuple[EngineAddress, ...]]:
+    """The instance URLs of list flag ``dest``, each parsed."""
+
+    def convert(args: argparse.Namespace) -> tuple[EngineAddress, ...]:
+        return tuple(EngineAddress(url=parse_engine_url(u)) for u in getattr(args, dest) or ())
+
+    return convert
+
+
+def seconds(dest: str) -> Callable[[argparse.Namespace], float]:
+    """A flag given in milliseconds, as the config's seconds."""
+
+    def convert(args: argparse.Namespace) -> float:
+        return float(getattr(args, dest)) / 1000
+
+    return convert
+
+
+def prefill_policy(args: argparse.Namespace) -> str:
+    return str(args.prefill_policy or args.policy or DEFAULT_PREFILL_POLICY)
+
+
+def decode_policy(args: argparse.Namespace) -> str:
+    return str(args.decode_policy or args.policy or DEFAULT_DECODE_POLICY)
+
+
+def dashboard(args: argparse.Namespace) -> bool:
+    return not args.no_dashboard
+
+
+def registry_backend(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    return parse_registry_backend(args.registry_backend)
+
+
+def _read_secret_file(path: str, flag: str) -> list[str]:
+    """Non-empty, non-comment lines of a key file; the keys never reach an error message."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except OSError as exc:
+        raise ConfigError(f"cannot read {flag}: {exc.strerror}") from exc
+    keys = [line for line in lines if line and not line.startswith("#")]
+    if not keys:
+        raise ConfigError(f"{flag} holds no key")
+    return keys
+
+
+def client_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--api-key`` and the keys of ``--api-key-file``, each once."""
+    keys = list(args.api_key or ())
+    if args.api_key_file:
+        keys += _read_secret_file(args.api_key_file, "--api-key-file")
+    return tuple(dict.fromkeys(keys))
+
+
+def engine_key(args: argparse.Namespace) -> str | None:
+    """``--engine-api-key-file`` wins over ``--engine-api-key``."""
+    if args.engine_api_key_file:
+        return _read_secret_file(args.engine_api_key_file, "--engine-api-key-file")[0]
+    return args.engine_api_key or None
+
+
+def admin_key(args: argparse.Namespace) -> str | None:
+    """``--admin-api-key-file``, else ``PDPROXY_ADMIN_API_KEY``, else ``ADMIN_API_KEY``."""
+    if args.admin_api_key_file:
+        try:
+            with open(args.admin_api_key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --admin-api-key-file: {exc.strerror}") from exc
+        if not key:
+            raise ConfigError("--admin-api-key-file is empty")
+        return key
+    return args.admin_api_key or None
