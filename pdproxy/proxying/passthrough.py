@@ -18,7 +18,6 @@ built fails against its instance as nothing sent (``legs.unbuildable``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -36,7 +35,7 @@ from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import bind_request_id, current
 from pdproxy.observability.tracing import LegSpan
 from pdproxy.proxying.exchange import ProxyResponse
-from pdproxy.proxying.legs import cancel, enter, leave, unbuildable
+from pdproxy.proxying.legs import enter, leave, unbuildable
 from pdproxy.proxying.relay import RESPONSES_SSE, StreamRelay, StreamWatchdog
 from pdproxy.proxying.retries import Retries, RetryRun
 from pdproxy.proxying.verdicts import Verdicts
@@ -102,14 +101,12 @@ class Passthrough:
         )
         self._metrics = metrics
         self._watchdog = StreamWatchdog(client.read_timeout)
-        self._watchdog_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._watchdog_task = asyncio.create_task(self._watchdog.run())
+        self._watchdog.start()
 
     async def aclose(self) -> None:
-        if self._watchdog_task is not None:
-            await cancel(self._watchdog_task)
+        await self._watchdog.aclose()
 
     async def handle(self, request: PassthroughRequest) -> ProxyResponse:
         """The engine's answer (whole, or a primed stream the caller must close); raises
