@@ -63,14 +63,13 @@ class Legs:
         self._metrics = metrics
         self._background: set[asyncio.Task[Any]] = set()
         self._watchdog = StreamWatchdog(client.read_timeout)
-        self._watchdog_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._watchdog_task = asyncio.create_task(self._watchdog.run())
+        self._watchdog.start()
 
     async def aclose(self) -> None:
-        watchdog = [self._watchdog_task] if self._watchdog_task is not None else []
-        await cancel(*self._background, *watchdog)
+        await cancel(*self._background)
+        await self._watchdog.aclose()
 
     async def prefill(
         self, request: ClientRequest, transfer: Transfer, weight: float = 1.0

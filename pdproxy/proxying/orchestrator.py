@@ -7,7 +7,9 @@ fleet-wide retry budget. The connector decides the retry's scope: a decode retry
 the prefill's answer only where the KV is certainly still readable by another decode;
 otherwise the pair is re-run with a fresh transfer, and the prefill's KV, which no decode
 will read, is released (``KVRelease``). Once every instance of a role was tried, the next
-pass waits an exponential backoff with jitter.
+pass waits an exponential backoff with jitter. The retry run itself (the limits, the
+instances excluded, the backoff) is ``Retries``, shared with the pass-through; this module
+keeps what one attempt does.
 """
 
 from __future__ import annotations
@@ -17,22 +19,22 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Collection
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from pdproxy.config.resilience import RetryConfig
 from pdproxy.connectors import KVConnector, Transfer
-from pdproxy.errors import NoEndpointAvailable, UpstreamError
+from pdproxy.errors import UpstreamError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import bind_request_id
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs
+from pdproxy.proxying.retries import Retries, RetryRun
 from pdproxy.resilience.outlier import OutlierDetector
-from pdproxy.resilience.retry import Backoff, RetryBudget, retry_reason
-from pdproxy.scheduling.context import RequestFeatures
+from pdproxy.resilience.retry import RetryBudget, retry_reason
 from pdproxy.scheduling.scheduler import NO_PREFILL, Scheduler
 from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
 from pdproxy.wire.shaping import client_request_id
@@ -43,17 +45,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _Run:
-    """One request's scheduling features and retry state."""
+class _Run(RetryRun):
+    """One request's retry state, and the decode it holds while its prefill runs."""
 
-    features: RequestFeatures
-    retries_left: int
-    tried: dict[Role, set[str]] = field(
-        default_factory=lambda: {Role.PREFILL: set(), Role.DECODE: set()}
-    )
-    last_failed: dict[Role, str] = field(default_factory=dict)
-    rounds: int = 0  # passes over an exhausted role, for the backoff
-    trials: list[Endpoint] = field(default_factory=list)  # half-open trials it took
     reserved: Endpoint | None = None  # the decode waiting on this request's prefill
 
     def reserve(self, decode: Endpoint) -> None:
@@ -108,13 +102,16 @@ class Orchestrator:
         self._legs = legs
         self._outliers = outliers
         self._release = release
-        self._max_retries = retry.max_retries
-        self._backoff = Backoff(
-            retry.initial_backoff, retry.max_backoff, retry.backoff_multiplier, retry.jitter
+        self._retries = Retries(
+            scheduler=scheduler,
+            outliers=outliers,
+            pool=self._pool,
+            retry=retry,
+            budget=budget,
+            metrics=metrics,
+            rng=rng,
         )
-        self._budget = budget
         self._metrics = metrics
-        self._rng = rng
 
     def start(self) -> None:
         self._legs.start()
@@ -123,19 +120,19 @@ class Orchestrator:
         await self._legs.aclose()
 
     async def handle(self, request: ClientRequest) -> ProxyResponse:
-        self._budget.on_request()
-        run = _Run(self._scheduler.features(request.body, request.session), self._max_retries)
+        retries = self._retries.begin()
+        run = _Run(self._scheduler.features(request.body, request.session), retries)
         try:
             return await self._handle(request, run)
         finally:
             run.unreserve()
             if run.trials:
-                self._free_unused_trials(run)
+                self._free_unused_trials(run.trials)
 
-    def _free_unused_trials(self, run: _Run) -> None:
+    def _free_unused_trials(self, trials: list[Endpoint]) -> None:
         """A half-open trial this request took but never sent a leg to (the other leg
         failed first) must not keep the instance out forever."""
-        for endpoint in run.trials:
+        for endpoint in trials:
             if endpoint.in_flight == 0:
                 self._outliers.on_abandoned(endpoint)
 
@@ -191,7 +188,7 @@ class Orchestrator:
             return False
         if retry_reason(failure) is None:
             return False
-        tried = run.tried[Role.PREFILL] | {transfer.decision.prefill.url}
+        tried = {transfer.decision.prefill.url, *run.tried.get(Role.PREFILL, ())}
         return not self._usable(self._pool(Role.PREFILL), tried)
 
     async def _decode_only(
@@ -202,21 +199,17 @@ class Orchestrator:
         self._metrics.count_decode_only(decision.reason)
         request_id = client_request_id(request.request_id)
         bind_request_id(request_id)
-        decode, rank = decision.decode, decision.decode_dp_rank
+        decode = decision.decode
         logger.debug("%s: decode only (%s) on %s", request_id, decision.reason, decode.url)
-        while True:
-            try:
-                return await self._legs.single(request, decode, request_id, rank)
-            except UpstreamError as error:
-                reason = retry_reason(error)
-                if reason is None or not self._may_retry(run, error.leg, reason):
-                    raise
-                run.tried[Role.DECODE].add(decode.url)
-                run.last_failed[Role.DECODE] = decode.url
-                try:
-                    decode, rank = await self._another(run, Role.DECODE)
-                except NoEndpointAvailable:
-                    raise error from None
+        try:
+            return await self._legs.single(request, decode, request_id, decision.decode_dp_rank)
+        except UpstreamError as exc:
+            error = exc  # retried outside this handler: a later failure is not chained to it
+
+        def attempt(decode: Endpoint, rank: int | None) -> Awaitable[ProxyResponse]:
+            return self._legs.single(request, decode, request_id, rank)
+
+        return await self._retries.retry(run, Role.DECODE, decode, error, attempt)
 
     async def _recover(
         self,
@@ -237,16 +230,12 @@ class Orchestrator:
         reason = retry_reason(error)
         if reason is None:
             raise error
-        if not self._may_retry(run, error.leg, reason):
-            self._orphan(request, transfer, answer, failed)
-            raise error
-        run.tried[role].add(failed.url)
-        run.last_failed[role] = failed.url
         try:
-            decision = await self._repick(run, transfer.decision, role)
-        except NoEndpointAvailable:
+            chosen, rank = await self._retries.replacement(run, role, failed, error, reason)
+        except UpstreamError:  # no retry left, or no instance to retry on
             self._orphan(request, transfer, answer, failed)
-            raise error from None
+            raise
+        decision = _replaced(transfer.decision, role, chosen, rank)
         logger.debug("%s: %s leg failed (%s), retrying", transfer.request_id, error.leg, reason)
         if answer is not None:
             if self._connector.decode_retry_reuses_prefill(transfer, reason):
@@ -268,16 +257,6 @@ class Orchestrator:
         if answer is not None:
             self._release.orphaned(request, transfer, answer, failed=failed)
 
-    def _may_retry(self, run: _Run, leg: str, reason: str) -> bool:
-        if run.retries_left <= 0:
-            return False
-        if not self._budget.try_spend():
-            self._metrics.retry_budget_exhausted.labels(leg).inc()
-            return False
-        run.retries_left -= 1
-        self._metrics.count_retry(leg, reason)
-        return True
-
     def _pick(self, run: _Run) -> PairDecision | DecodeOnly:
         snapshot = self._registry.snapshot()
         view = Snapshot(
@@ -285,35 +264,9 @@ class Orchestrator:
         )
         decision = self._scheduler.schedule(run.features, view)
         if isinstance(decision, PairDecision):
-            self._picked(run, decision.prefill)
-        self._picked(run, decision.decode)
+            self._retries.picked(run, decision.prefill)
+        self._retries.picked(run, decision.decode)
         return decision
-
-    def _picked(self, run: _Run, endpoint: Endpoint) -> None:
-        if self._outliers.on_pick(endpoint):
-            run.trials.append(endpoint)
-
-    async def _repick(self, run: _Run, decision: PairDecision, role: Role) -> PairDecision:
-        """``decision`` with another instance of ``role``."""
-        chosen, rank = await self._another(run, role)
-        if role is Role.PREFILL:
-            return dataclasses.replace(decision, prefill=chosen, prefill_dp_rank=rank)
-        return dataclasses.replace(decision, decode=chosen, decode_dp_rank=rank)
-
-    async def _another(self, run: _Run, role: Role) -> tuple[Endpoint, int | None]:
-        """An instance of ``role`` this request has not tried yet, and its DP rank."""
-        candidates = self._usable(self._pool(role), run.tried[role])
-        if not candidates:
-            # Every instance of the role was tried: back off, then anyone but the last
-            # to fail (or it, if it is the only one).
-            await asyncio.sleep(self._backoff.delay(run.rounds, self._rng))
-            run.rounds += 1
-            run.tried[role].clear()
-            pool = self._pool(role)
-            candidates = self._usable(pool, {run.last_failed[role]}) or self._usable(pool, ())
-        chosen, rank = self._scheduler.pick(role, run.features, candidates)
-        self._picked(run, chosen)
-        return chosen, rank
 
     def _pool(self, role: Role) -> tuple[Endpoint, ...]:
         snapshot = self._registry.snapshot()
@@ -321,3 +274,12 @@ class Orchestrator:
 
     def _usable(self, pool: tuple[Endpoint, ...], avoid: Collection[str]) -> tuple[Endpoint, ...]:
         return self._outliers.usable(pool, avoid)  # shared with the pass-through endpoints
+
+
+def _replaced(
+    decision: PairDecision, role: Role, chosen: Endpoint, rank: int | None
+) -> PairDecision:
+    """``decision`` with ``chosen`` (on DP rank ``rank``) as its instance of ``role``."""
+    if role is Role.PREFILL:
+        return dataclasses.replace(decision, prefill=chosen, prefill_dp_rank=rank)
+    return dataclasses.replace(decision, decode=chosen, decode_dp_rank=rank)

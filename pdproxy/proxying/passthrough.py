@@ -7,40 +7,40 @@ instance its previous response is pinned to) → send the body as it came (a
 bytes, before anything reaches the client → relay the answer whole, or the stream chunk by
 chunk (``StreamRelay``; an engine that dies mid-stream ends it with one error event).
 
-A failure before the client's response started is retried on another decode exactly as a
-decode leg is: the same retry-safe reasons (``resilience.retry``), ``--max-retries`` per
-request, the fleet-wide retry budget shared with the generation endpoints, backoff once
-every decode was tried. A pinned response is never retried elsewhere: no other instance
-holds its conversation. The leg counts on its instance while it runs and is judged once
-(``Verdicts``), like any decode leg; a leg whose request cannot be built fails against its
-instance as nothing sent (``legs.unbuildable``).
+A failure before the client's response started is retried on another decode by the same
+retry run as a decode leg (``Retries``): the same retry-safe reasons (``resilience.retry``),
+``--max-retries`` per request, the fleet-wide retry budget shared with the generation
+endpoints, backoff once every decode was tried. A pinned response is never retried
+elsewhere: no other instance holds its conversation. The leg counts on its instance while it
+runs and is judged once (``Verdicts``), like any decode leg; a leg whose request cannot be
+built fails against its instance as nothing sent (``legs.unbuildable``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from pdproxy.config.resilience import RetryConfig
 from pdproxy.config.upstream import Timeouts
-from pdproxy.errors import NoEndpointAvailable, ProxyError, UpstreamError, UpstreamStatusError
+from pdproxy.errors import ProxyError, UpstreamError, UpstreamStatusError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import bind_request_id, current
 from pdproxy.observability.tracing import LegSpan
 from pdproxy.proxying.exchange import ProxyResponse
-from pdproxy.proxying.legs import cancel, enter, leave, unbuildable
+from pdproxy.proxying.legs import enter, leave, unbuildable
 from pdproxy.proxying.relay import RESPONSES_SSE, StreamRelay, StreamWatchdog
+from pdproxy.proxying.retries import Retries, RetryRun
 from pdproxy.proxying.verdicts import Verdicts
 from pdproxy.resilience.outlier import OutlierDetector
-from pdproxy.resilience.retry import Backoff, RetryBudget, retry_reason
+from pdproxy.resilience.retry import RetryBudget
 from pdproxy.scheduling.context import RequestFeatures
 from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.types import Endpoint, Role
@@ -67,17 +67,6 @@ class PassthroughRequest:
     via: str | None = None  # the Via its leg carries: the client's hops, then this pdproxy's
 
 
-@dataclass(slots=True)
-class _Run:
-    """One request's retry state."""
-
-    features: RequestFeatures
-    retries_left: int
-    tried: set[str] = field(default_factory=set)
-    last_failed: str = ""
-    rounds: int = 0  # passes over every decode, for the backoff
-
-
 class Passthrough:
     def __init__(
         self,
@@ -97,51 +86,48 @@ class Passthrough:
         self._registry = registry
         # Where the instances come from: the decodes, or another pool (--render's servers).
         self._pool = pool or (lambda: registry.snapshot().decode)
-        self._scheduler = scheduler
         self._client = client
         self._timeouts = timeouts
         self._verdicts = verdicts
         self._outliers = outliers
-        self._max_retries = retry.max_retries
-        self._backoff = Backoff(
-            retry.initial_backoff, retry.max_backoff, retry.backoff_multiplier, retry.jitter
+        self._retries = Retries(
+            scheduler=scheduler,
+            outliers=outliers,
+            pool=lambda _role: self._pool(),
+            retry=retry,
+            budget=budget,
+            metrics=metrics,
+            rng=rng,
         )
-        self._budget = budget
         self._metrics = metrics
-        self._rng = rng
         self._watchdog = StreamWatchdog(client.read_timeout)
-        self._watchdog_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._watchdog_task = asyncio.create_task(self._watchdog.run())
+        self._watchdog.start()
 
     async def aclose(self) -> None:
-        if self._watchdog_task is not None:
-            await cancel(self._watchdog_task)
+        await self._watchdog.aclose()
 
     async def handle(self, request: PassthroughRequest) -> ProxyResponse:
         """The engine's answer (whole, or a primed stream the caller must close); raises
         ``ProxyError`` when no decode could answer."""
-        self._budget.on_request()
+        run = RetryRun(_features(request), self._retries.begin())
         request_id = client_request_id(request.request_id)
         bind_request_id(request_id)
-        run = _Run(_features(request), self._max_retries)
         home = self._home(request)
-        endpoint, rank = self._pick(run, (home,) if home else self._usable(()))
-        while True:
-            try:
-                return await self._send(request, endpoint, rank, request_id)
-            except UpstreamError as error:
-                reason = retry_reason(error)
-                if home is not None or reason is None or not self._may_retry(run, reason):
-                    raise
-                logger.debug("%s: %s failed (%s), retrying", request_id, endpoint.url, reason)
-                run.tried.add(endpoint.url)
-                run.last_failed = endpoint.url
-                try:
-                    endpoint, rank = await self._another(run)
-                except NoEndpointAvailable:
-                    raise error from None
+        candidates = (home,) if home else self._outliers.usable(self._pool())
+        endpoint, rank = self._retries.pick(run, Role.DECODE, candidates)
+        try:
+            return await self._send(request, endpoint, rank, request_id)
+        except UpstreamError as exc:
+            if home is not None:
+                raise
+            error = exc  # retried outside this handler: a later failure is not chained to it
+
+        def attempt(endpoint: Endpoint, rank: int | None) -> Awaitable[ProxyResponse]:
+            return self._send(request, endpoint, rank, request_id)
+
+        return await self._retries.retry(run, Role.DECODE, endpoint, error, attempt)
 
     def _home(self, request: PassthroughRequest) -> Endpoint | None:
         """The routable decode a ``/v1/responses`` follow-up's conversation is pinned to."""
@@ -149,35 +135,6 @@ class Passthrough:
             return None
         previous = request.body.get(PREVIOUS_RESPONSE_ID)
         return pinned(previous, self._registry.snapshot().decode)
-
-    def _usable(self, avoid: Collection[str]) -> tuple[Endpoint, ...]:
-        return self._outliers.usable(self._pool(), avoid)
-
-    def _pick(self, run: _Run, candidates: tuple[Endpoint, ...]) -> tuple[Endpoint, int | None]:
-        endpoint, rank = self._scheduler.pick(Role.DECODE, run.features, candidates)
-        self._outliers.on_pick(endpoint)  # a half-open one: this leg is its trial
-        return endpoint, rank
-
-    async def _another(self, run: _Run) -> tuple[Endpoint, int | None]:
-        """A decode this request has not tried; once all were, after a backoff, anyone but
-        the last to fail (or it, if it is the only one)."""
-        candidates = self._usable(run.tried)
-        if not candidates:
-            await asyncio.sleep(self._backoff.delay(run.rounds, self._rng))
-            run.rounds += 1
-            run.tried.clear()
-            candidates = self._usable({run.last_failed}) or self._usable(())
-        return self._pick(run, candidates)
-
-    def _may_retry(self, run: _Run, reason: str) -> bool:
-        if run.retries_left <= 0:
-            return False
-        if not self._budget.try_spend():
-            self._metrics.retry_budget_exhausted.labels(LEG).inc()
-            return False
-        run.retries_left -= 1
-        self._metrics.count_retry(LEG, reason)
-        return True
 
     async def _send(
         self, request: PassthroughRequest, endpoint: Endpoint, rank: int | None, request_id: str

@@ -69,6 +69,7 @@ class StreamWatchdog:
         self.clock = clock
         self.interval = min(1.0, idle_timeout / 4)
         self._streams: set[StreamRelay] = set()
+        self._task: asyncio.Task[None] | None = None
 
     def watch(self, relay: StreamRelay) -> None:
         self._streams.add(relay)
@@ -88,6 +89,16 @@ class StreamWatchdog:
         while True:
             await asyncio.sleep(self.interval)
             self.sweep()
+
+    def start(self) -> None:
+        """Sweep in a task of the running loop until ``aclose``."""
+        self._task = asyncio.create_task(self.run())
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 class StreamRelay:
