@@ -61,9 +61,9 @@ class Context:
         now = self.now
         self._loads_of = endpoints
         self._loads = [
-            (e.work + e.others + 1.0) * e.slowness
-            if e.others_until >= now
-            else (e.work + 1.0) * e.slowness
+            (e.legs.work + e.load.others + 1.0) * e.speed.slowness
+            if e.load.others_until >= now
+            else (e.legs.work + 1.0) * e.speed.slowness
             for e in endpoints
         ]
         return self._loads
@@ -74,7 +74,7 @@ class Context:
 
     def kv_usage(self, endpoint: Endpoint) -> float | None:
         """The engine's KV-cache usage (0..1) when its last scrape is fresh."""
-        figures = endpoint.engine_load
+        figures = endpoint.load.engine_load
         if figures is None or self.now - figures.scraped_at > self.max_age:
             return None
         return figures.kv_usage

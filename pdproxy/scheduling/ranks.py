@@ -26,9 +26,9 @@ class RankChooser:
 
 
 def _rank_loads(ctx: Context, endpoint: Endpoint, size: int) -> list[float]:
-    counts = endpoint.rank_in_flight
+    counts = endpoint.legs.rank_in_flight
     loads = [float(counts[r]) if r < len(counts) else 0.0 for r in range(size)]
-    figures = endpoint.engine_load
+    figures = endpoint.load.engine_load
     if figures is not None and figures.ranks and ctx.now - figures.scraped_at <= ctx.max_age:
         for rank in figures.ranks:
             if 0 <= rank.rank < size:

@@ -30,7 +30,7 @@ class KVUsageScorer:
         oldest = ctx.now - ctx.max_age
         # engine_stats keeps kv_usage in [0, 1], so the score is too.
         return [
-            0.5 if (f := e.engine_load) is None or f.scraped_at < oldest else 1.0 - f.kv_usage
+            0.5 if (f := e.load.engine_load) is None or f.scraped_at < oldest else 1.0 - f.kv_usage
             for e in endpoints
         ]
 
