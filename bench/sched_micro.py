@@ -28,15 +28,15 @@ NOW = 1000.0
 
 def _fleet(instances: int, rng: random.Random) -> Snapshot:
     def one(i: int, role: Role) -> Endpoint:
-        e = Endpoint(
+        e = Endpoint.new(
             role=role,
             address=EngineAddress(url=f"http://10.0.{i // 250}.{i % 250}:8000"),
             source=Source.STATIC,
         )
-        e.in_flight = rng.randrange(8)
-        e.work = float(e.in_flight)
-        e.engine_load = EngineLoad(rng.randrange(8), rng.randrange(4), rng.random(), NOW)
-        e.others, e.others_until = e.engine_load.others, NOW + 3.0
+        e.legs.in_flight = rng.randrange(8)
+        e.legs.work = float(e.legs.in_flight)
+        e.load.engine_load = EngineLoad(rng.randrange(8), rng.randrange(4), rng.random(), NOW)
+        e.load.others, e.load.others_until = e.load.engine_load.others, NOW + 3.0
         return e
 
     half = instances // 2

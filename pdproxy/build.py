@@ -156,7 +156,7 @@ def _render_once(
             f"--render-once needs decodes that answer alone; {config.kv_connector}'s wait for KV"
         )
     servers = tuple(
-        Endpoint(role=Role.DECODE, address=a, source=Source.STATIC) for a in config.render
+        Endpoint.new(role=Role.DECODE, address=a, source=Source.STATIC) for a in config.render
     )
     pool = (lambda: servers) if servers else None
     peers = (lambda _: servers) if servers else None
@@ -242,7 +242,7 @@ def _app_state(
     )
     core.metrics.track_in_flight(lambda: state.in_flight)
     core.metrics.track_endpoint_in_flight(
-        lambda: ((e.role.value, e.url, e.in_flight) for e in core.registry.all())
+        lambda: ((e.role.value, e.url, e.legs.in_flight) for e in core.registry.all())
     )
     return state
 

@@ -124,57 +124,20 @@ class EngineLoad:
         object.__setattr__(self, "others", max(0.0, self.running + self.waiting - self.own))
 
 
-@dataclass(slots=True, kw_only=True)
-class Endpoint:
-    """One engine instance as the proxy tracks it.
-
-    ``in_flight`` is soft load state, mutated only on the event loop.
-    """
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndpointIdentity:
+    """What an engine instance is, fixed at admission: a re-probe that learns its models
+    or engine ids makes a new identity (``Endpoint.reidentify``), never edits this one."""
 
     role: Role
     address: EngineAddress
     source: Source
-    state: EndpointState = EndpointState.READY
-    expires_at: float | None = None  # monotonic deadline; None = never expires
-    last_seen: float | None = None  # wall-clock time of the last heartbeat
-    in_flight: int = 0
-    # Legs in flight weighted by size (a prefill: its prompt over the typical), plus the
-    # requests reserved on it: the scheduler's count of this proxy's load.
-    work: float = 0.0
-    reserved: int = 0  # requests bound for it whose leg has not started (a decode awaiting P)
-    seconds_per_token: float = 0.0  # its prefill legs' mean, measured (scheduling.speed)
-    slowness: float = 1.0  # seconds_per_token over its role's typical; 1.0 until measured
-    models: tuple[str, ...] = field(default_factory=tuple)
-    engine_ids: tuple[str, ...] = field(default_factory=tuple)  # per DP rank (Mooncake)
-    health: EndpointHealth = field(default_factory=EndpointHealth)
-    # KV sources (NIXL: prefill engine ids) this decode has read from since it was last
-    # seen healthy: a release through it is prompt. Insertion-ordered, capped.
-    kv_sources: dict[str, None] = field(default_factory=dict)
-    # The engine's own load figures from its last /metrics scrape; None until one worked.
-    engine_load: EngineLoad | None = None
-    # The scheduler's copy of the figures' one number it reads per decision: the engine's
-    # requests that are not this proxy's, trusted until ``others_until`` (monotonic).
-    others: float = 0.0
-    others_until: float = 0.0
-    # Legs in flight per DP rank (index = rank), for rank balancing; grown on demand.
-    rank_in_flight: list[int] = field(default_factory=list)
+    models: tuple[str, ...] = ()
+    engine_ids: tuple[str, ...] = ()  # per DP rank (Mooncake)
+    url: str = field(init=False)  # the address's, kept flat: the scheduler reads it per decision
 
-    @property
-    def url(self) -> str:
-        return self.address.url
-
-    def read_from(self, source: str) -> None:
-        """Remember that this decode has read KV from ``source``."""
-        if source not in self.kv_sources:
-            if len(self.kv_sources) >= _MAX_KV_SOURCES:
-                del self.kv_sources[next(iter(self.kv_sources))]
-            self.kv_sources[source] = None
-
-    @property
-    def routable(self) -> bool:
-        """Admitted, not draining, and answering its health checks. (Ejection is a matter
-        of time and is checked per request, not here.)"""
-        return self.state is EndpointState.READY and self.health.probe is ProbeState.HEALTHY
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", self.address.url)
 
     @property
     def dp_size(self) -> int:
@@ -185,6 +148,155 @@ class Endpoint:
     def kv_address(self) -> str:
         """The address peers reach for KV; the HTTP host:port when none was announced."""
         return self.address.zmq_address or self.address.host_port
+
+
+@dataclass(slots=True)
+class Presence:
+    """Where an endpoint is in its lifecycle; written by the fleet's registry and by
+    membership (admission, drain, heartbeats) only."""
+
+    state: EndpointState = EndpointState.READY
+    expires_at: float | None = None  # monotonic deadline; None = never expires
+    last_seen: float | None = None  # wall-clock time of the last heartbeat
+
+
+@dataclass(slots=True)
+class LegCounts:
+    """This proxy's legs on an endpoint; written by the request path only
+    (``proxying.legs``, the orchestrator's reservations, ``proxying.kv_release``, and the
+    verdicts that forget ``kv_sources``). Mutated only on the event loop."""
+
+    in_flight: int = 0
+    # Legs in flight weighted by size (a prefill: its prompt over the typical), plus the
+    # requests reserved on it: the scheduler's count of this proxy's load.
+    work: float = 0.0
+    reserved: int = 0  # requests bound for it whose leg has not started (a decode awaiting P)
+    # Legs in flight per DP rank (index = rank), for rank balancing; grown on demand.
+    rank_in_flight: list[int] = field(default_factory=list)
+    # KV sources (NIXL: prefill engine ids) this decode has read from since it was last
+    # seen healthy: a release through it is prompt. Insertion-ordered, capped.
+    kv_sources: dict[str, None] = field(default_factory=dict)
+
+    def read_from(self, source: str) -> None:
+        """Remember that this decode has read KV from ``source``."""
+        if source not in self.kv_sources:
+            if len(self.kv_sources) >= _MAX_KV_SOURCES:
+                del self.kv_sources[next(iter(self.kv_sources))]
+            self.kv_sources[source] = None
+
+
+@dataclass(slots=True)
+class EngineFigures:
+    """The engine's own load as its ``/metrics`` said it; written by the load scraper only
+    (``membership.load_scraper``, or ``membership.workers.link`` relaying the owner's)."""
+
+    # The figures of its last /metrics scrape; None until one worked.
+    engine_load: EngineLoad | None = None
+    # The scheduler's copy of the figures' one number it reads per decision: the engine's
+    # requests that are not this proxy's, trusted until ``others_until`` (monotonic).
+    others: float = 0.0
+    others_until: float = 0.0
+
+
+@dataclass(slots=True)
+class Speed:
+    """How fast an endpoint serves prefills, measured; written by
+    ``scheduling.speed.SpeedTracker`` only."""
+
+    seconds_per_token: float = 0.0  # its prefill legs' mean
+    slowness: float = 1.0  # seconds_per_token over its role's typical; 1.0 until measured
+
+
+@dataclass(slots=True, kw_only=True)
+class Endpoint:
+    """One engine instance as the proxy tracks it: its frozen identity and its live
+    figures, each group in a record written by the one component that owns it (see each
+    record's docstring); everyone else reads."""
+
+    identity: EndpointIdentity
+    presence: Presence = field(default_factory=Presence)
+    legs: LegCounts = field(default_factory=LegCounts)
+    load: EngineFigures = field(default_factory=EngineFigures)
+    speed: Speed = field(default_factory=Speed)
+    health: EndpointHealth = field(default_factory=EndpointHealth)
+
+    @classmethod
+    def new(
+        cls,
+        *,
+        role: Role,
+        address: EngineAddress,
+        source: Source,
+        state: EndpointState = EndpointState.READY,
+        models: tuple[str, ...] = (),
+        engine_ids: tuple[str, ...] = (),
+    ) -> Endpoint:
+        """A newly admitted endpoint with no figures yet."""
+        identity = EndpointIdentity(
+            role=role, address=address, source=source, models=models, engine_ids=engine_ids
+        )
+        return cls(identity=identity, presence=Presence(state=state))
+
+    def reidentify(
+        self,
+        *,
+        source: Source | None = None,
+        models: tuple[str, ...] | None = None,
+        engine_ids: tuple[str, ...] | None = None,
+    ) -> None:
+        """A probe learned what the instance serves: a new identity, the figures kept."""
+        old = self.identity
+        self.identity = EndpointIdentity(
+            role=old.role,
+            address=old.address,
+            source=old.source if source is None else source,
+            models=old.models if models is None else models,
+            engine_ids=old.engine_ids if engine_ids is None else engine_ids,
+        )
+
+    @property
+    def role(self) -> Role:
+        return self.identity.role
+
+    @property
+    def address(self) -> EngineAddress:
+        return self.identity.address
+
+    @property
+    def source(self) -> Source:
+        return self.identity.source
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self.identity.models
+
+    @property
+    def engine_ids(self) -> tuple[str, ...]:
+        return self.identity.engine_ids
+
+    @property
+    def url(self) -> str:
+        return self.identity.url
+
+    @property
+    def dp_size(self) -> int:
+        return self.identity.dp_size
+
+    @property
+    def kv_address(self) -> str:
+        return self.identity.kv_address
+
+    @property
+    def state(self) -> EndpointState:
+        return self.presence.state
+
+    @property
+    def routable(self) -> bool:
+        """Admitted, not draining, and answering its health checks. (Ejection is a matter
+        of time and is checked per request, not here.)"""
+        return (
+            self.presence.state is EndpointState.READY and self.health.probe is ProbeState.HEALTHY
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,8 +186,8 @@ def instance_row(
         None if ejected_until is None else round(max(0.0, ejected_until - now), 3)
     )
     row["overloaded"] = health.overloaded_until > now
-    row["rank_in_flight"] = list(endpoint.rank_in_flight)
-    row["engine_load"] = _engine_load(endpoint.engine_load, now, load_fresh)
+    row["rank_in_flight"] = list(endpoint.legs.rank_in_flight)
+    row["engine_load"] = _engine_load(endpoint.load.engine_load, now, load_fresh)
     return row
 
 

@@ -89,14 +89,14 @@ def describe(
         "breaker": breaker.value,
         "consecutive_failures": health.consecutive_failures,
         "ejections": health.ejections_total,
-        "in_flight": endpoint.in_flight,
-        "last_heartbeat": endpoint.last_seen,
+        "in_flight": endpoint.legs.in_flight,
+        "last_heartbeat": endpoint.presence.last_seen,
         "zmq_address": address.zmq_address,
         "dp_size": endpoint.dp_size,
         "tp_size": address.tp_size,
         "transfer_mode": address.transfer_mode,
         "models": list(endpoint.models),
-        "engine_load": _describe_load(endpoint.engine_load, now),
+        "engine_load": _describe_load(endpoint.load.engine_load, now),
     }
 
 

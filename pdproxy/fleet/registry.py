@@ -33,7 +33,7 @@ class EndpointRegistry:
         """Insert or replace the instance at ``endpoint.url``, keeping its in-flight count."""
         previous = self._by_url.get(endpoint.url)
         if previous is not None:
-            endpoint.in_flight = previous.in_flight
+            endpoint.legs.in_flight = previous.legs.in_flight
         self._by_url[endpoint.url] = endpoint
         self._changed()
 
@@ -49,11 +49,11 @@ class EndpointRegistry:
     def touch(self, url: str, ttl: float, last_seen: float) -> None:
         """Extend a registered instance's lease (a heartbeat)."""
         endpoint = self._by_url[url]
-        endpoint.expires_at = self._clock() + ttl
-        endpoint.last_seen = last_seen
+        endpoint.presence.expires_at = self._clock() + ttl
+        endpoint.presence.last_seen = last_seen
 
     def set_state(self, url: str, state: EndpointState) -> None:
-        self._by_url[url].state = state
+        self._by_url[url].presence.state = state
         self._changed()
 
     def remove(self, url: str) -> Endpoint | None:
@@ -67,7 +67,9 @@ class EndpointRegistry:
         """Drop every instance whose lease ran out; static ones never expire."""
         now = self._clock()
         dead = [
-            e for e in self._by_url.values() if e.expires_at is not None and e.expires_at <= now
+            e
+            for e in self._by_url.values()
+            if e.presence.expires_at is not None and e.presence.expires_at <= now
         ]
         for endpoint in dead:
             del self._by_url[endpoint.url]

@@ -81,7 +81,7 @@ class HealthChecker:
                 health.probe_failed_while_ejected = True
             elif health.probe_failed_while_ejected:
                 health.probe_failed_while_ejected = False
-                endpoint.kv_sources.clear()  # a restart: a new engine, no KV connections
+                endpoint.legs.kv_sources.clear()  # a restart: a new engine, no KV connections
                 self._outliers.end_ejection(endpoint)
         before = health.probe
         after = apply_probe(health, ok, self.config)
@@ -91,7 +91,7 @@ class HealthChecker:
             return
         if before is ProbeState.UNHEALTHY:
             self._outliers.reset(endpoint)
-        endpoint.kv_sources.clear()  # down, or back after being down: no KV connections
+        endpoint.legs.kv_sources.clear()  # down, or back after being down: no KV connections
         self._registry.invalidate()
         log = logger.info if after is ProbeState.HEALTHY else logger.warning
         log("%s %s is %s (health checks)", endpoint.role.value, endpoint.url, after.value)

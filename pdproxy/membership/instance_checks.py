@@ -41,7 +41,7 @@ class InstanceChecks:
             bootstrap = self.bootstrap_url(endpoint)
             if bootstrap is not None:
                 answer = await self._client.get_json(bootstrap)
-                endpoint.engine_ids = self._connector.parse_bootstrap(answer)
+                endpoint.reidentify(engine_ids=self._connector.parse_bootstrap(answer))
         except (UpstreamError, ValueError) as exc:
             if require_reachable:
                 return f"instance did not answer its probe: {exc}"
@@ -58,7 +58,7 @@ class InstanceChecks:
         models = served_models(answer)
         if models is None:
             return NOT_MODELS
-        endpoint.models = models
+        endpoint.reidentify(models=models)
         if self._model is not None and self._model not in models:
             return f"serves {list(models)}, not model {self._model!r}"
         return None

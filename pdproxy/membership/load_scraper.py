@@ -63,7 +63,7 @@ class LoadScraper:
 
     def fresh(self, endpoint: Endpoint) -> EngineLoad | None:
         """``endpoint``'s figures if they are recent enough to act on."""
-        return engine_stats.fresh_load(endpoint.engine_load, self._clock(), self.max_age)
+        return engine_stats.fresh_load(endpoint.load.engine_load, self._clock(), self.max_age)
 
     def start(self) -> None:
         if self.enabled:
@@ -95,9 +95,12 @@ class LoadScraper:
             return
         # The engine's figures include this proxy's own legs; note how many there were, so
         # the scheduler adds only the others' load to its live count.
-        load = dataclasses.replace(load, own=float(endpoint.in_flight))
-        endpoint.engine_load = load
-        endpoint.others, endpoint.others_until = load.others, load.scraped_at + self.max_age
+        load = dataclasses.replace(load, own=float(endpoint.legs.in_flight))
+        endpoint.load.engine_load = load
+        endpoint.load.others, endpoint.load.others_until = (
+            load.others,
+            load.scraped_at + self.max_age,
+        )
         if endpoint.url in self._failing:
             self._failing.discard(endpoint.url)
             logger.info("%s %s: load figures read again", endpoint.role.value, endpoint.url)

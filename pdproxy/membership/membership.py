@@ -117,7 +117,7 @@ class Membership:
                 if refusal is not None:
                     logger.error("refused %s %s: %s", role.value, address.url, refusal.reason)
                     continue
-                self._admit(Endpoint(role=role, address=address, source=Source.STATIC))
+                self._admit(Endpoint.new(role=role, address=address, source=Source.STATIC))
 
     def listening(self, port: int) -> None:
         """The port pdproxy's listener got, when it was not known up front (``--port 0``)."""
@@ -139,7 +139,7 @@ class Membership:
             return "refused"
         existing = self._registry.get(url)
         if existing is not None and existing.source is not Source.REGISTERED:
-            existing.last_seen = self._wall_clock()
+            existing.presence.last_seen = self._wall_clock()
             return "accepted"
         if existing is None and self._refused(url, self._guard.check(url)):
             return "refused"
@@ -149,7 +149,7 @@ class Membership:
             or existing.role is not registration.role
         ):
             self._admit(
-                Endpoint(
+                Endpoint.new(
                     role=registration.role, address=registration.address, source=Source.REGISTERED
                 )
             )
@@ -177,7 +177,7 @@ class Membership:
                 f"transfer mode {address.transfer_mode} does not match the deployment's "
                 f"{self.transfer_mode}",
             )
-        endpoint = Endpoint(
+        endpoint = Endpoint.new(
             role=role, address=address, source=Source.ADMIN, state=EndpointState.PENDING
         )
         problem = await self._checks.run(endpoint, require_reachable=True)
@@ -190,7 +190,7 @@ class Membership:
         if self._registry.get(address.url) is not None:
             raise AdminError(409, f"instance {address.host_port} is already registered")
         self._retired.pop(address.url, None)
-        endpoint.state = EndpointState.READY
+        endpoint.presence.state = EndpointState.READY
         self._registry.add(endpoint)
         self._guard.admitted(address.url, *resolved)
         logger.info("admin added %s %s", role.value, address.url)
@@ -211,7 +211,7 @@ class Membership:
         self._registry.set_state(url, EndpointState.DRAINING)
         if endpoint.source is Source.REGISTERED:
             self._retired[url] = self._clock() + self._config.registry.ttl
-        logger.info("draining %s (%d in flight)", url, endpoint.in_flight)
+        logger.info("draining %s (%d in flight)", url, endpoint.legs.in_flight)
         if announce:
             for observer in self._observers:
                 observer.drained(url)
@@ -243,7 +243,7 @@ class Membership:
         if self._registry.get(url) is None and self._refused(url, self._guard.check(url)):
             return None
         self._retired.pop(url, None)
-        endpoint = Endpoint(role=role, address=address, source=source)
+        endpoint = Endpoint.new(role=role, address=address, source=source)
         self._admit(endpoint)
         logger.info("learned %s %s (%s) from the shared registry", role.value, url, source.value)
         return endpoint
@@ -312,7 +312,7 @@ class Membership:
         self._health.admitted(endpoint)
         self._warmer.forget(endpoint.url)
         if self._needs_probe(endpoint):
-            endpoint.state = EndpointState.PENDING
+            endpoint.presence.state = EndpointState.PENDING
             self._registry.add(endpoint)
             self._probe_in_background(endpoint)
         else:
@@ -365,7 +365,7 @@ class Membership:
 
     def _finish_drains(self) -> None:
         for endpoint in self._registry.all():
-            if endpoint.state is EndpointState.DRAINING and endpoint.in_flight == 0:
+            if endpoint.state is EndpointState.DRAINING and endpoint.legs.in_flight == 0:
                 self._registry.remove(endpoint.url)
                 logger.info("drained and removed %s", endpoint.url)
 

@@ -127,7 +127,7 @@ class WorkerGauges:
         for endpoint in self._registry.all():
             labels = (endpoint.role.value, endpoint.url)
             seen.add(labels)
-            self._legs.labels(*labels).set(endpoint.in_flight)
+            self._legs.labels(*labels).set(endpoint.legs.in_flight)
         for labels in self._labels - seen:
             self._legs.labels(*labels).set(0)
             self._legs.remove(*labels)

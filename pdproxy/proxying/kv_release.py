@@ -61,7 +61,7 @@ class KVRelease:
         """No decode will read ``answer``'s KV; ``failed`` is a decode not to ask."""
         source = self._connector.kv_source(answer)
         decode = self._choose(source, failed)
-        warm = decode is not None and source is not None and source in decode.kv_sources
+        warm = decode is not None and source is not None and source in decode.legs.kv_sources
         leg = self._connector.release_leg(request.body, answer, warm=warm)
         if leg is None:
             self._metrics.released_kv.labels("not_needed").inc()
@@ -82,7 +82,7 @@ class KVRelease:
         """A routable decode, not ``failed``; one that reads from ``source`` if any does."""
         decodes = [e for e in self._registry.snapshot().decode if e is not failed]
         available = [e for e in decodes if self._outliers.available(e)] or decodes
-        warm = [e for e in available if source is not None and source in e.kv_sources]
+        warm = [e for e in available if source is not None and source in e.legs.kv_sources]
         chosen = warm or available
         return chosen[0] if chosen else None
 
@@ -114,7 +114,7 @@ class KVRelease:
         released = status == leg.expect
         self._metrics.released_kv.labels("released" if released else "failed").inc()
         if not released and source is not None:
-            decode.kv_sources.pop(source, None)  # it did not act as a warm decode would
+            decode.legs.kv_sources.pop(source, None)  # it did not act as a warm decode would
         logger.debug(
             "KV of %s: release via %s answered %s", transfer.request_id, decode.url, status
         )

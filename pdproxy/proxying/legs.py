@@ -198,7 +198,7 @@ class Legs:
         self._verdicts.success(decode)
         source = self._connector.kv_source(prefill_answer) if prefill_answer else None
         if source is not None:
-            decode.read_from(source)
+            decode.legs.read_from(source)
 
     async def _stream(
         self, upstream: UpstreamResponse, leg: _DecodeLeg, span: LegSpan, trace: RequestTrace
@@ -272,21 +272,21 @@ class _DecodeLeg:
 def enter(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
     """Count a leg on ``endpoint`` (and its DP rank) while it runs; ``weight`` is its size
     for the scheduler (a prefill's prompt over the typical one)."""
-    endpoint.in_flight += 1
-    endpoint.work += weight
+    endpoint.legs.in_flight += 1
+    endpoint.legs.work += weight
     if rank is not None:
-        counts = endpoint.rank_in_flight
+        counts = endpoint.legs.rank_in_flight
         if len(counts) <= rank:
             counts.extend([0] * (rank + 1 - len(counts)))
         counts[rank] += 1
 
 
 def leave(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
-    endpoint.in_flight -= 1
-    idle = not endpoint.in_flight and not endpoint.reserved
-    endpoint.work = 0.0 if idle else endpoint.work - weight  # no float drift
-    if rank is not None and rank < len(endpoint.rank_in_flight):
-        endpoint.rank_in_flight[rank] -= 1
+    endpoint.legs.in_flight -= 1
+    idle = not endpoint.legs.in_flight and not endpoint.legs.reserved
+    endpoint.legs.work = 0.0 if idle else endpoint.legs.work - weight  # no float drift
+    if rank is not None and rank < len(endpoint.legs.rank_in_flight):
+        endpoint.legs.rank_in_flight[rank] -= 1
 
 
 def unbuildable(endpoint: Endpoint, pair: PairDecision | None) -> UpstreamRequestError:

@@ -55,15 +55,17 @@ class _Run(RetryRun):
         onto the decode that looked idle because none of its legs had started yet."""
         if decode is not self.reserved:
             self.unreserve()
-            decode.reserved += 1
-            decode.work += 1.0
+            decode.legs.reserved += 1
+            decode.legs.work += 1.0
             self.reserved = decode
 
     def unreserve(self) -> None:
         decode = self.reserved
         if decode is not None:
-            decode.reserved -= 1
-            decode.work = decode.work - 1.0 if decode.in_flight or decode.reserved else 0.0
+            decode.legs.reserved -= 1
+            decode.legs.work = (
+                decode.legs.work - 1.0 if decode.legs.in_flight or decode.legs.reserved else 0.0
+            )
             self.reserved = None
 
 
@@ -133,7 +135,7 @@ class Orchestrator:
         """A half-open trial this request took but never sent a leg to (the other leg
         failed first) must not keep the instance out forever."""
         for endpoint in trials:
-            if endpoint.in_flight == 0:
+            if endpoint.legs.in_flight == 0:
                 self._outliers.on_abandoned(endpoint)
 
     async def _handle(self, request: ClientRequest, run: _Run) -> ProxyResponse:

@@ -61,7 +61,7 @@ class Verdicts:
 
     def failure(self, endpoint: Endpoint, reason: str) -> None:
         if self.outliers.on_failure(endpoint, self._peers(endpoint)):
-            endpoint.kv_sources.clear()  # it may be restarting: its KV connections with it
+            endpoint.legs.kv_sources.clear()  # it may be restarting: its KV connections with it
             self._metrics.ejections.labels(endpoint.role.value, endpoint.url).inc()
             logger.warning(
                 "ejected %s %s after %d failures (last: %s), ejection #%d",

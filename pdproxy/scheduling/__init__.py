@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pdproxy.scheduling.context import Context
-from pdproxy.types import Endpoint
+from pdproxy.scheduling.view import EndpointView
 
 __all__ = ["Context", "Decider", "Filter", "Picker", "Scorer"]
 
@@ -24,7 +24,7 @@ __all__ = ["Context", "Decider", "Filter", "Picker", "Scorer"]
 class Filter(Protocol):
     type_name: str
 
-    def filter(self, ctx: Context, endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+    def filter(self, ctx: Context, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         """The endpoints worth considering; never empty when ``endpoints`` is not (a filter
         that would leave nothing returns its input: the engine's own answer is better than
         a 503)."""
@@ -34,7 +34,7 @@ class Filter(Protocol):
 class Scorer(Protocol):
     type_name: str
 
-    def score(self, ctx: Context, endpoints: Sequence[Endpoint]) -> list[float]:
+    def score(self, ctx: Context, endpoints: Sequence[EndpointView]) -> list[float]:
         """One score in [0, 1] per endpoint, higher is better."""
         ...
 
@@ -42,7 +42,9 @@ class Scorer(Protocol):
 class Picker(Protocol):
     type_name: str
 
-    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+    def pick(
+        self, ctx: Context, endpoints: Sequence[EndpointView], scores: list[float]
+    ) -> EndpointView:
         """One of ``endpoints`` (never empty); ``scores`` is aligned with it."""
         ...
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdproxy.types import Endpoint
+from pdproxy.scheduling.view import EndpointView
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +34,10 @@ class Context:
     now: float  # monotonic
     max_age: float  # engine load figures older than this are ignored
     matches: dict[int, dict[str, int]] = field(default_factory=dict)  # id(index) -> url -> depth
-    _loads_of: Sequence[Endpoint] | None = None  # the last ``loads`` call, reused by plugins
+    _loads_of: Sequence[EndpointView] | None = None  # the last ``loads`` call, reused by plugins
     _loads: list[float] = field(default_factory=list)
 
-    def load(self, endpoint: Endpoint) -> float:
+    def load(self, endpoint: EndpointView) -> float:
         """An endpoint's load, in requests at its role's typical speed, the new one
         included: ``(requests + 1) * slowness``.
 
@@ -53,7 +53,7 @@ class Context:
         much as a fast one with three requests."""
         return self.loads((endpoint,))[0]
 
-    def loads(self, endpoints: Sequence[Endpoint]) -> list[float]:
+    def loads(self, endpoints: Sequence[EndpointView]) -> list[float]:
         """``load`` of each endpoint in one pass (the hot loop of every load-aware policy);
         a second call for the same sequence reuses the first's answer."""
         if endpoints is self._loads_of:
@@ -61,20 +61,20 @@ class Context:
         now = self.now
         self._loads_of = endpoints
         self._loads = [
-            (e.work + e.others + 1.0) * e.slowness
-            if e.others_until >= now
-            else (e.work + 1.0) * e.slowness
+            (e.legs.work + e.load.others + 1.0) * e.speed.slowness
+            if e.load.others_until >= now
+            else (e.legs.work + 1.0) * e.speed.slowness
             for e in endpoints
         ]
         return self._loads
 
-    def remember_loads(self, endpoints: Sequence[Endpoint], loads: list[float]) -> None:
+    def remember_loads(self, endpoints: Sequence[EndpointView], loads: list[float]) -> None:
         """``loads`` are ``endpoints``' (a filter's survivors, from a computed list)."""
         self._loads_of, self._loads = endpoints, loads
 
-    def kv_usage(self, endpoint: Endpoint) -> float | None:
+    def kv_usage(self, endpoint: EndpointView) -> float | None:
         """The engine's KV-cache usage (0..1) when its last scrape is fresh."""
-        figures = endpoint.engine_load
+        figures = endpoint.load.engine_load
         if figures is None or self.now - figures.scraped_at > self.max_age:
             return None
         return figures.kv_usage

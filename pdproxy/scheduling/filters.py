@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdproxy.scheduling.context import Context
-from pdproxy.types import Endpoint
+from pdproxy.scheduling.view import EndpointView
 
 
 class ModelFilter:
@@ -19,9 +19,9 @@ class ModelFilter:
     type_name = "model-filter"
 
     def __init__(self) -> None:
-        self._single_model: tuple[Sequence[Endpoint], str] | None = None
+        self._single_model: tuple[Sequence[EndpointView], str] | None = None
 
-    def filter(self, ctx: Context, endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+    def filter(self, ctx: Context, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         model = ctx.features.model
         if model is None:
             return endpoints
@@ -46,7 +46,7 @@ class OverloadFilter:
     rel_threshold: float
     type_name = "overload-filter"
 
-    def filter(self, ctx: Context, endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+    def filter(self, ctx: Context, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         if len(endpoints) < 2:
             return endpoints
         loads = ctx.loads(endpoints)

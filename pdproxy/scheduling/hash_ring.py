@@ -14,7 +14,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdproxy.types import Endpoint
+from pdproxy.scheduling.view import EndpointView
 
 _VNODES = 256  # ~1/16 spread in each instance's share; a ring of 64 instances builds in ~25 ms
 _CACHED_RINGS = 8
@@ -25,13 +25,13 @@ def stable_hash(text: str) -> int:
 
 
 class HashRing:
-    def __init__(self, endpoints: Sequence[Endpoint], vnodes: int = _VNODES) -> None:
+    def __init__(self, endpoints: Sequence[EndpointView], vnodes: int = _VNODES) -> None:
         by_url = {e.url: e for e in endpoints}
         points = sorted((stable_hash(f"{url}#{i}"), url) for url in by_url for i in range(vnodes))
         self._hashes = [h for h, _ in points]
         self._owners = [by_url[u] for _, u in points]
 
-    def owner(self, key: str) -> Endpoint:
+    def owner(self, key: str) -> EndpointView:
         index = bisect.bisect_left(self._hashes, stable_hash(key))
         return self._owners[index % len(self._owners)]
 
@@ -43,9 +43,9 @@ class HashRings:
     def __init__(self, vnodes: int = _VNODES) -> None:
         self._vnodes = vnodes
         self._rings: OrderedDict[tuple[str, ...], HashRing] = OrderedDict()
-        self._last: tuple[Sequence[Endpoint], HashRing] | None = None
+        self._last: tuple[Sequence[EndpointView], HashRing] | None = None
 
-    def owner(self, key: str, endpoints: Sequence[Endpoint]) -> Endpoint:
+    def owner(self, key: str, endpoints: Sequence[EndpointView]) -> EndpointView:
         last = self._last
         if last is not None and last[0] is endpoints:  # the same snapshot as last time
             return last[1].owner(key)

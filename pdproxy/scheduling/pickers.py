@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pdproxy.scheduling import Picker
 from pdproxy.scheduling.context import Context
 from pdproxy.scheduling.hash_ring import HashRings
-from pdproxy.types import Endpoint
+from pdproxy.scheduling.view import EndpointView
 
 
 class MaxScorePicker:
@@ -21,7 +21,9 @@ class MaxScorePicker:
         self._rng = rng
         self._by_load = by_load
 
-    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+    def pick(
+        self, ctx: Context, endpoints: Sequence[EndpointView], scores: list[float]
+    ) -> EndpointView:
         best = max(scores)
         ties = scores.count(best)
         if ties == 1:
@@ -43,11 +45,15 @@ class LeastLoadedPicker:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+    def pick(
+        self, ctx: Context, endpoints: Sequence[EndpointView], scores: list[float]
+    ) -> EndpointView:
         return least_loaded(ctx, endpoints, self._rng)
 
 
-def least_loaded(ctx: Context, endpoints: Sequence[Endpoint], rng: random.Random) -> Endpoint:
+def least_loaded(
+    ctx: Context, endpoints: Sequence[EndpointView], rng: random.Random
+) -> EndpointView:
     loads = ctx.loads(endpoints)
     lowest = min(loads)
     ties = loads.count(lowest)
@@ -66,7 +72,9 @@ class RoundRobinPicker:
     def __init__(self) -> None:
         self._turn = 0
 
-    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+    def pick(
+        self, ctx: Context, endpoints: Sequence[EndpointView], scores: list[float]
+    ) -> EndpointView:
         self._turn += 1
         return endpoints[(self._turn - 1) % len(endpoints)]
 
@@ -77,7 +85,9 @@ class RandomPicker:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+    def pick(
+        self, ctx: Context, endpoints: Sequence[EndpointView], scores: list[float]
+    ) -> EndpointView:
         return self._rng.choice(endpoints)
 
 
@@ -90,7 +100,9 @@ class PowerOfTwoPicker:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+    def pick(
+        self, ctx: Context, endpoints: Sequence[EndpointView], scores: list[float]
+    ) -> EndpointView:
         a, b = self._rng.sample(endpoints, 2)
         load_a, load_b = ctx.loads((a, b))
         return b if load_b < load_a else a
@@ -106,7 +118,9 @@ class ConsistentHashPicker:
         self._rings = HashRings()
         self._fallback = fallback
 
-    def pick(self, ctx: Context, endpoints: Sequence[Endpoint], scores: list[float]) -> Endpoint:
+    def pick(
+        self, ctx: Context, endpoints: Sequence[EndpointView], scores: list[float]
+    ) -> EndpointView:
         key = ctx.features.session
         if key is None:
             return self._fallback.pick(ctx, endpoints, scores)

@@ -32,7 +32,7 @@ from pdproxy.scheduling.pickers import (
 )
 from pdproxy.scheduling.prefix_index import PrefixIndex
 from pdproxy.scheduling.scorers import KVUsageScorer, LoadScorer, PrefixScorer
-from pdproxy.types import Endpoint
+from pdproxy.scheduling.view import EndpointView
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class RolePolicy:
     picker: Picker
     index: PrefixIndex | None = None
 
-    def choose(self, ctx: Context, endpoints: Sequence[Endpoint]) -> Endpoint:
+    def choose(self, ctx: Context, endpoints: Sequence[EndpointView]) -> EndpointView:
         candidates = endpoints
         for step in self.filters:
             candidates = step.filter(ctx, candidates)
@@ -58,7 +58,7 @@ class RolePolicy:
             self.index.insert(ctx.features.blocks, chosen.url)
         return chosen
 
-    def _scores(self, ctx: Context, candidates: Sequence[Endpoint]) -> list[float]:
+    def _scores(self, ctx: Context, candidates: Sequence[EndpointView]) -> list[float]:
         if not self.scorers:
             return []
         if len(self.scorers) == 1:

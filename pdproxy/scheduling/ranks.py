@@ -8,14 +8,14 @@ still spreads its requests.
 from __future__ import annotations
 
 from pdproxy.scheduling.context import Context
-from pdproxy.types import Endpoint
+from pdproxy.scheduling.view import EndpointView
 
 
 class RankChooser:
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, ctx: Context, endpoint: Endpoint) -> int | None:
+    def choose(self, ctx: Context, endpoint: EndpointView) -> int | None:
         size = endpoint.dp_size
         if size <= 1:
             return None
@@ -25,10 +25,10 @@ class RankChooser:
         return min(range(size), key=lambda r: (loads[r], (r - start) % size))
 
 
-def _rank_loads(ctx: Context, endpoint: Endpoint, size: int) -> list[float]:
-    counts = endpoint.rank_in_flight
+def _rank_loads(ctx: Context, endpoint: EndpointView, size: int) -> list[float]:
+    counts = endpoint.legs.rank_in_flight
     loads = [float(counts[r]) if r < len(counts) else 0.0 for r in range(size)]
-    figures = endpoint.engine_load
+    figures = endpoint.load.engine_load
     if figures is not None and figures.ranks and ctx.now - figures.scraped_at <= ctx.max_age:
         for rank in figures.ranks:
             if 0 <= rank.rank < size:

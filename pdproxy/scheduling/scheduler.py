@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.errors import BadRequest, NoEndpointAvailable
@@ -22,6 +22,7 @@ from pdproxy.scheduling.policies import build_policy
 from pdproxy.scheduling.ranks import RankChooser
 from pdproxy.scheduling.scorers import prefix_matches
 from pdproxy.scheduling.speed import SpeedTracker
+from pdproxy.scheduling.view import EndpointView
 from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
 
 SHORT_PROMPT = "short_prompt"
@@ -79,8 +80,8 @@ class Scheduler:
             return self._decode_only(ctx, snapshot.decode, NO_PREFILL)
         if not self._decider.disaggregate(ctx, self._cached_tokens(ctx)):
             return self._decode_only(ctx, snapshot.decode, SHORT_PROMPT)
-        prefill = self.prefill.choose(ctx, snapshot.prefill)
-        decode = self.decode.choose(ctx, snapshot.decode)
+        prefill = _owned(self.prefill.choose(ctx, snapshot.prefill))
+        decode = _owned(self.decode.choose(ctx, snapshot.decode))
         return PairDecision(
             prefill,
             decode,
@@ -96,7 +97,7 @@ class Scheduler:
             raise NoEndpointAvailable(f"no {role.value} instance is available")
         ctx = Context(features, self._clock(), self._max_age)
         policy = self.prefill if role is Role.PREFILL else self.decode
-        chosen = policy.choose(ctx, candidates)
+        chosen = _owned(policy.choose(ctx, candidates))
         return chosen, self._ranks[role].choose(ctx, chosen)
 
     def forget(self, url: str) -> None:
@@ -106,7 +107,7 @@ class Scheduler:
                 policy.index.forget(url)
 
     def _decode_only(self, ctx: Context, decodes: Sequence[Endpoint], reason: str) -> DecodeOnly:
-        decode = self.decode.choose(ctx, decodes)
+        decode = _owned(self.decode.choose(ctx, decodes))
         return DecodeOnly(decode, reason, self._ranks[Role.DECODE].choose(ctx, decode))
 
     def _cached_tokens(self, ctx: Context) -> float:
@@ -119,3 +120,10 @@ class Scheduler:
             return 0.0
         share = max(depths.values()) / len(blocks)
         return ctx.features.tokens * share
+
+
+def _owned(chosen: EndpointView) -> Endpoint:
+    """The endpoint a policy chose, as the request path that writes its legs holds it.
+    Policies return one of the endpoints they were given (``Endpoint`` objects seen
+    through the read-only ``EndpointView``), so this only restores the type."""
+    return cast(Endpoint, chosen)

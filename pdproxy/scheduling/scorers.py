@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from pdproxy.scheduling.context import Context
 from pdproxy.scheduling.prefix_index import PrefixIndex
-from pdproxy.types import Endpoint
+from pdproxy.scheduling.view import EndpointView
 
 
 class LoadScorer:
@@ -15,7 +15,7 @@ class LoadScorer:
 
     type_name = "load-scorer"
 
-    def score(self, ctx: Context, endpoints: Sequence[Endpoint]) -> list[float]:
+    def score(self, ctx: Context, endpoints: Sequence[EndpointView]) -> list[float]:
         return [1.0 / load if load > 1.0 else 1.0 for load in ctx.loads(endpoints)]
 
 
@@ -26,11 +26,11 @@ class KVUsageScorer:
 
     type_name = "kv-usage-scorer"
 
-    def score(self, ctx: Context, endpoints: Sequence[Endpoint]) -> list[float]:
+    def score(self, ctx: Context, endpoints: Sequence[EndpointView]) -> list[float]:
         oldest = ctx.now - ctx.max_age
         # engine_stats keeps kv_usage in [0, 1], so the score is too.
         return [
-            0.5 if (f := e.engine_load) is None or f.scraped_at < oldest else 1.0 - f.kv_usage
+            0.5 if (f := e.load.engine_load) is None or f.scraped_at < oldest else 1.0 - f.kv_usage
             for e in endpoints
         ]
 
@@ -46,9 +46,9 @@ class PrefixScorer:
     def __init__(self, index: PrefixIndex, min_share: float = 0.0) -> None:
         self.index = index
         self.min_share = min_share
-        self._positions: tuple[Sequence[Endpoint] | None, dict[str, int] | None] = (None, None)
+        self._positions: tuple[Sequence[EndpointView] | None, dict[str, int] | None] = (None, None)
 
-    def score(self, ctx: Context, endpoints: Sequence[Endpoint]) -> list[float]:
+    def score(self, ctx: Context, endpoints: Sequence[EndpointView]) -> list[float]:
         scores = [0.0] * len(endpoints)
         total = len(ctx.features.blocks)
         depths = prefix_matches(ctx, self.index) if total else None
@@ -68,7 +68,7 @@ class PrefixScorer:
                 scores[at] = depth / total
         return scores
 
-    def _positions_of(self, endpoints: Sequence[Endpoint]) -> dict[str, int] | None:
+    def _positions_of(self, endpoints: Sequence[EndpointView]) -> dict[str, int] | None:
         """url -> index for a sequence met twice in a row (the registry's snapshot, which
         lasts until membership or health changes); None for one met once (a filter's
         survivors), which is cheaper to scan than to index."""

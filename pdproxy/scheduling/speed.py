@@ -47,13 +47,15 @@ class SpeedTracker:
         self._typical_tokens = (
             size if typical_size <= 0 else typical_size + alpha * (size - typical_size)
         )
-        mine = endpoint.seconds_per_token
-        endpoint.seconds_per_token = per_token if mine <= 0 else mine + alpha * (per_token - mine)
+        mine = endpoint.speed.seconds_per_token
+        endpoint.speed.seconds_per_token = (
+            per_token if mine <= 0 else mine + alpha * (per_token - mine)
+        )
         typical = self._typical.get(endpoint.role, 0.0)
         typical = per_token if typical <= 0 else typical + alpha * (per_token - typical)
         self._typical[endpoint.role] = typical
         if typical > 0:
-            endpoint.slowness = endpoint.seconds_per_token / typical
+            endpoint.speed.slowness = endpoint.speed.seconds_per_token / typical
 
     def typical(self, role: Role) -> float:
         return self._typical.get(role, 0.0)

@@ -146,7 +146,7 @@ async def test_client_disconnect_mid_stream_aborts_decode(nixl_pair):
             lambda: pair.decode.metric("vllm:num_requests_running") == 0, timeout=10
         )
         print(f"decode stopped generating {took:.2f} s after the client disconnected")
-        assert all(e.in_flight == 0 for e in proxy.state.registry.all())
+        assert all(e.legs.in_flight == 0 for e in proxy.state.registry.all())
 
 
 async def test_prefill_kv_without_decode_is_freed_by_the_lease(nixl_pair, record_property):

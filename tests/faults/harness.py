@@ -211,7 +211,10 @@ async def assert_settled(f: Fleet) -> None:
         return (
             state.in_flight == 0
             and all(
-                e.in_flight == 0 and e.work == 0 and e.reserved == 0 and not any(e.rank_in_flight)
+                e.legs.in_flight == 0
+                and e.legs.work == 0
+                and e.legs.reserved == 0
+                and not any(e.legs.rank_in_flight)
                 for e in state.registry.all()
             )
             and state.client.connections_in_use() == 0

@@ -182,7 +182,7 @@ async def test_remove_while_busy_drains():
             )
             assert status == 200 and '"draining"' in text
             entry = proxy.state.registry.get(busy_sim.url)
-            assert entry is not None and entry.in_flight == 1
+            assert entry is not None and entry.legs.in_flight == 1
             for _ in range(3):  # new requests avoid the draining decode
                 async with s.post(
                     proxy.url + "/v1/completions", json={**body, "max_tokens": 2}

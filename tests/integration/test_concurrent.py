@@ -35,7 +35,7 @@ async def test_prefill_failure_cancels_waiting_decode(stream):
                 break
             await asyncio.sleep(0.01)
         assert record.outcome == "client_disconnected"  # the proxy dropped the decode leg
-        assert all(e.in_flight == 0 for e in d.proxy.state.registry.all())
+        assert all(e.legs.in_flight == 0 for e in d.proxy.state.registry.all())
 
 
 async def test_prefill_failure_after_decode_stream_started_ends_with_error_event():

@@ -129,7 +129,7 @@ async def test_bad_input_is_4xx_and_changes_nothing(data, headers, status, param
         assert got == status and ctype.startswith("application/json")
         assert _error(raw)["param"] == param
         assert d.generation_requests(d.engines) == []
-        assert all(e.in_flight == 0 for e in d.proxy.state.registry.all())
+        assert all(e.legs.in_flight == 0 for e in d.proxy.state.registry.all())
 
 
 async def test_chat_requires_messages(nixl_2p2d):
@@ -160,7 +160,7 @@ async def test_client_disconnect_mid_stream_closes_decode_fast():
         record = d.decodes[0].generation_requests()[0]
         await _wait_for(lambda: record.outcome == "client_disconnected")
         assert record.disconnected_at - closed_at < 0.1
-        await _wait_for(lambda: all(e.in_flight == 0 for e in d.proxy.state.registry.all()))
+        await _wait_for(lambda: all(e.legs.in_flight == 0 for e in d.proxy.state.registry.all()))
         assert d.prefills[0].generation_requests()[0].outcome == "completed"
 
 
@@ -179,7 +179,7 @@ async def test_client_disconnect_during_prefill_closes_prefill_and_skips_decode(
         record = d.prefills[0].generation_requests()[0]
         await _wait_for(lambda: record.outcome == "client_disconnected")
         assert record.disconnected_at - closed_at < 0.1
-        await _wait_for(lambda: all(e.in_flight == 0 for e in d.proxy.state.registry.all()))
+        await _wait_for(lambda: all(e.legs.in_flight == 0 for e in d.proxy.state.registry.all()))
         assert d.generation_requests(d.decodes) == []
 
 

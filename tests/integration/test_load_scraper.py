@@ -86,7 +86,7 @@ async def scraper_for(urls, *, interval=0.1, timeout=0.5, authorization=None):
     registry = EndpointRegistry(time.monotonic)
     for url in urls:
         registry.add(
-            Endpoint(role=Role.DECODE, address=EngineAddress(url=url), source=Source.STATIC)
+            Endpoint.new(role=Role.DECODE, address=EngineAddress(url=url), source=Source.STATIC)
         )
     client = EngineClient(Timeouts(), PoolLimits(), authorization)
     await client.start()
@@ -120,13 +120,13 @@ async def test_figures_land_on_the_endpoint_within_a_few_intervals():
     async with serving(engine) as url, scraper_for([url], interval=0.1) as (scraper, reg, m):
         endpoint = reg.get(url)
         scraper.start()
-        await eventually(lambda: endpoint.engine_load is not None, within=2.0)
-        load = endpoint.engine_load
+        await eventually(lambda: endpoint.load.engine_load is not None, within=2.0)
+        load = endpoint.load.engine_load
         assert (load.running, load.waiting, load.kv_usage) == (4.0, 2.0, 0.75)
         assert [r.rank for r in load.ranks] == [0, 1]
         assert scraper.fresh(endpoint) is load
         first = load.scraped_at
-        await eventually(lambda: endpoint.engine_load.scraped_at > first, within=2.0)
+        await eventually(lambda: endpoint.load.engine_load.scraped_at > first, within=2.0)
         assert scrapes(m, "ok") >= 2
         assert scrapes(m, "error") == 0
 
@@ -137,11 +137,11 @@ async def test_a_failed_scrape_keeps_the_old_figures_and_counts_an_error(mode):
     async with serving(engine) as url, scraper_for([url], timeout=0.3) as (scraper, reg, m):
         endpoint = reg.get(url)
         await scraper.scrape(endpoint)
-        before = endpoint.engine_load
+        before = endpoint.load.engine_load
         assert before is not None
         engine.mode = mode
         await scraper.scrape(endpoint)  # returns (bounded by the timeout) and does not raise
-        assert endpoint.engine_load is before
+        assert endpoint.load.engine_load is before
         assert (scrapes(m, "ok"), scrapes(m, "error")) == (1, 1)
 
 
@@ -152,7 +152,7 @@ async def test_unreachable_engine_counts_an_error():
     async with scraper_for([url], timeout=0.3) as (scraper, reg, m):
         endpoint = reg.get(url)
         await scraper.scrape_all()
-        assert endpoint.engine_load is None
+        assert endpoint.load.engine_load is None
         assert scrapes(m, "error") == 1
 
 
@@ -167,8 +167,8 @@ async def test_one_hung_engine_does_not_hold_up_the_others():
         started = time.monotonic()
         await scraper.scrape_all()
         assert time.monotonic() - started < 2.0  # the hung one was cut off at its timeout
-        assert reg.get(ok_url).engine_load is not None
-        assert reg.get(hung_url).engine_load is None
+        assert reg.get(ok_url).load.engine_load is not None
+        assert reg.get(hung_url).load.engine_load is None
         assert (scrapes(m, "ok"), scrapes(m, "error")) == (1, 1)
 
 
@@ -182,13 +182,15 @@ async def test_an_endpoint_removed_during_its_scrape_is_not_written(replaced):
         await asyncio.wait_for(engine.entered.wait(), 5)
         reg.remove(url)
         if replaced:
-            reg.add(Endpoint(role=Role.DECODE, address=EngineAddress(url=url), source=Source.ADMIN))
+            reg.add(
+                Endpoint.new(role=Role.DECODE, address=EngineAddress(url=url), source=Source.ADMIN)
+            )
         engine.mode = "ok"
         engine.release.set()
         await asyncio.wait_for(scrape, 5)
-        assert endpoint.engine_load is None
+        assert endpoint.load.engine_load is None
         if replaced:
-            assert reg.get(url).engine_load is None
+            assert reg.get(url).load.engine_load is None
 
 
 async def test_scrapes_carry_the_engine_api_key():
@@ -208,7 +210,7 @@ async def test_interval_zero_turns_scraping_off():
         scraper.start()
         await asyncio.sleep(0.1)
         assert engine.headers == []
-        assert reg.get(url).engine_load is None
+        assert reg.get(url).load.engine_load is None
 
 
 def test_flag_env_var_and_validation():
@@ -228,7 +230,7 @@ async def test_proxy_scrapes_sims_and_shows_the_figures():
     health = HealthConfig(engine_metrics_interval=0.1)
     async with deployment(1, 1, proxy={"health": health}) as d:
         endpoints = d.proxy.state.registry.all()
-        await eventually(lambda: all(e.engine_load is not None for e in endpoints))
+        await eventually(lambda: all(e.load.engine_load is not None for e in endpoints))
         async with aiohttp.ClientSession() as s, s.get(d.proxy.url + "/status") as r:
             status = await r.json()
         for instance in status["instances"]:
@@ -284,5 +286,5 @@ async def test_requests_succeed_while_every_scrape_fails():
         async with session.post(proxy.url + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             assert (await r.json())["choices"][0]["text"]
-        assert all(e.engine_load is None for e in proxy.state.registry.all())
+        assert all(e.load.engine_load is None for e in proxy.state.registry.all())
         assert scrapes(metrics, "ok") == 0

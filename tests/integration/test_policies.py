@@ -114,7 +114,7 @@ async def test_a_burst_does_not_herd_onto_one_decode_while_prefills_run():
             statuses = await asyncio.gather(*(post(s, proxy.url, body(f"p{i}")) for i in range(8)))
         assert {status for status, _ in statuses} == {200}
         assert landed(d) == [2, 2, 2, 2]
-        assert all(e.reserved == 0 for e in proxy.state.registry.all())
+        assert all(e.legs.reserved == 0 for e in proxy.state.registry.all())
 
 
 async def test_kv_aware_prefers_the_decode_with_free_kv():
@@ -122,7 +122,7 @@ async def test_kv_aware_prefers_the_decode_with_free_kv():
         registry = proxy.state.registry
         clock = proxy.state.orchestrator._scheduler._clock
         for sim, usage in zip(d, (0.9, 0.2, 0.7), strict=True):
-            registry.get(sim.url).engine_load = EngineLoad(0, 0, usage, clock() + 3600)
+            registry.get(sim.url).load.engine_load = EngineLoad(0, 0, usage, clock() + 3600)
         async with aiohttp.ClientSession() as s:
             for i in range(5):
                 assert (await post(s, proxy.url, body(f"p{i}")))[0] == 200

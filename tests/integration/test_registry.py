@@ -110,7 +110,10 @@ async def test_empty_proxy_answers_503_until_registered_then_expires():
         status, body = await _complete(proxy.url)
         assert status == 200 and body["choices"][0]["text"]
         (entry,) = registry.snapshot().prefill
-        assert entry.address.zmq_address == f"127.0.0.1:{p.kv_port}" and entry.last_seen is not None
+        assert (
+            entry.address.zmq_address == f"127.0.0.1:{p.kv_port}"
+            and entry.presence.last_seen is not None
+        )
         # heartbeats keep it alive past the TTL
         for _ in range(4):
             await asyncio.sleep(TTL / 3)

@@ -49,7 +49,7 @@ async def test_each_pair_is_warmed_once_before_routable_and_not_counted(connecto
         async with aiohttp.ClientSession() as s, s.get(d.proxy.url + "/metrics") as r:
             metrics = await r.text()
         assert not re.search(r"^pdproxy_requests_total\{.*\} [1-9]", metrics, re.MULTILINE)
-        assert all(e.in_flight == 0 for e in d.proxy.state.registry.all())
+        assert all(e.legs.in_flight == 0 for e in d.proxy.state.registry.all())
 
 
 async def test_a_warm_up_that_hangs_never_blocks_routability_beyond_its_timeout():
@@ -70,13 +70,17 @@ async def test_a_warm_up_that_hangs_never_blocks_routability_beyond_its_timeout(
 def test_peers_are_bounded_to_k_routable_first():
     registry = EndpointRegistry(clock=time.monotonic)
     peers = [
-        Endpoint(role=Role.PREFILL, address=EngineAddress(url=f"http://p{i}"), source=Source.STATIC)
+        Endpoint.new(
+            role=Role.PREFILL, address=EngineAddress(url=f"http://p{i}"), source=Source.STATIC
+        )
         for i in range(5)
     ]
-    peers[0].state = EndpointState.PENDING
+    peers[0].presence.state = EndpointState.PENDING
     for e in peers:
         registry.add(e)
-    new = Endpoint(role=Role.DECODE, address=EngineAddress(url="http://d"), source=Source.STATIC)
+    new = Endpoint.new(
+        role=Role.DECODE, address=EngineAddress(url="http://d"), source=Source.STATIC
+    )
     registry.add(new)
     warmer = PairWarmer(
         HealthConfig(warm_pairs=3), registry=registry, client=None, connector=None, model="m"

@@ -10,8 +10,12 @@ BODY = {"model": "m", "prompt": "p", "max_tokens": 9, "stream": True, "min_token
 
 
 def _decision():
-    p = Endpoint(role=Role.PREFILL, address=EngineAddress(url="http://p:1"), source=Source.STATIC)
-    d = Endpoint(role=Role.DECODE, address=EngineAddress(url="http://d:1"), source=Source.STATIC)
+    p = Endpoint.new(
+        role=Role.PREFILL, address=EngineAddress(url="http://p:1"), source=Source.STATIC
+    )
+    d = Endpoint.new(
+        role=Role.DECODE, address=EngineAddress(url="http://d:1"), source=Source.STATIC
+    )
     return PairDecision(p, d)
 
 
@@ -135,5 +139,5 @@ def test_other_connectors_have_no_release(name):
 def test_a_decode_remembers_a_bounded_number_of_kv_sources():
     d = _decision().decode
     for i in range(5000):
-        d.read_from(f"eng-{i}")
-    assert len(d.kv_sources) == 1024 and "eng-4999" in d.kv_sources
+        d.legs.read_from(f"eng-{i}")
+    assert len(d.legs.kv_sources) == 1024 and "eng-4999" in d.legs.kv_sources

@@ -29,7 +29,7 @@ def _endpoint(role, zmq, dp=1, tp=1, mode=None, bootstrap=None, engine_ids=()):
         transfer_mode=mode,
         bootstrap_url=bootstrap,
     )
-    return Endpoint(role=role, address=address, source=Source.REGISTERED, engine_ids=engine_ids)
+    return Endpoint.new(role=role, address=address, source=Source.REGISTERED, engine_ids=engine_ids)
 
 
 def _connector(name, mode=None):

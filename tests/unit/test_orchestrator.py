@@ -99,7 +99,7 @@ def _orchestrator(legs, *, connector="nixl", decodes=2, retry=None):
 
 
 def _endpoint(role, url):
-    return Endpoint(role=role, address=EngineAddress(url=url), source=Source.STATIC)
+    return Endpoint.new(role=role, address=EngineAddress(url=url), source=Source.STATIC)
 
 
 def _connect():

@@ -31,7 +31,7 @@ class Clock:
 
 def _add_static(reg, role, addresses):
     for address in addresses:
-        reg.add(Endpoint(role=role, address=address, source=Source.STATIC))
+        reg.add(Endpoint.new(role=role, address=address, source=Source.STATIC))
 
 
 def _reg(n_p=2, n_d=2, dp=1):
@@ -75,17 +75,17 @@ def test_expiry_spares_static_and_keeps_in_flight_on_upsert():
     clock = Clock()
     reg = EndpointRegistry(clock)
     _add_static(reg, Role.DECODE, [EngineAddress(url="http://s:1")])
-    dyn = Endpoint(
+    dyn = Endpoint.new(
         role=Role.PREFILL, address=EngineAddress(url="http://r:1"), source=Source.REGISTERED
     )
     reg.add(dyn)
     reg.touch("http://r:1", ttl=5, last_seen=0)
-    dyn.in_flight = 3
-    again = Endpoint(
+    dyn.legs.in_flight = 3
+    again = Endpoint.new(
         role=Role.PREFILL, address=EngineAddress(url="http://r:1"), source=Source.REGISTERED
     )
     reg.add(again)
-    assert again.in_flight == 3
+    assert again.legs.in_flight == 3
     reg.touch("http://r:1", ttl=5, last_seen=0)
     clock.now += 4.9
     assert reg.expire() == []

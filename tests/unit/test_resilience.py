@@ -90,7 +90,7 @@ def test_backoff_grows_caps_and_jitters():
 
 def _endpoints(n: int, role: Role = Role.DECODE) -> list[Endpoint]:
     return [
-        Endpoint(role=role, address=EngineAddress(url=f"http://e{i}:1"), source=Source.STATIC)
+        Endpoint.new(role=role, address=EngineAddress(url=f"http://e{i}:1"), source=Source.STATIC)
         for i in range(n)
     ]
 

@@ -16,7 +16,7 @@ from tests.unit.test_relay import FakeUpstream
 
 
 def _endpoint(url: str) -> Endpoint:
-    return Endpoint(role=Role.DECODE, address=EngineAddress(url=url), source=Source.STATIC)
+    return Endpoint.new(role=Role.DECODE, address=EngineAddress(url=url), source=Source.STATIC)
 
 
 def test_the_route_table():

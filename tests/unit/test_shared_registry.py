@@ -194,7 +194,7 @@ async def test_what_is_learned_from_others_is_not_written_back(view):
     replica, state = view
     replica.put(KEYS.seen(URL, "b"), Entry(_record(replica="b"), 5))
     endpoint = state.registry.get(URL)
-    assert endpoint is not None and endpoint.expires_at is None
+    assert endpoint is not None and endpoint.presence.expires_at is None
     assert endpoint.source is Source.REGISTERED
     assert not replica.own and not replica.dirty and not replica.outbox
     replica.delete(KEYS.seen(URL, "b"))
@@ -214,7 +214,7 @@ async def test_own_claims_come_from_heartbeats_and_go_with_their_expiry(view):
     # Its own claim, seen in the store, is never a reason to act; deleted by anything but
     # this replica (its lease lost), it is written again.
     replica.put(KEYS.seen(URL, "me"), Entry(replica.own[URL], 7))
-    assert state.registry.get(URL).expires_at is not None and not replica.dirty
+    assert state.registry.get(URL).presence.expires_at is not None and not replica.dirty
     replica.delete(KEYS.seen(URL, "me"))
     assert replica.dirty == {URL} and state.registry.get(URL) is not None
     replica.dirty.clear()
@@ -226,14 +226,14 @@ async def test_a_removal_elsewhere_drains_here_without_an_echo(view):
     replica, state = view
     replica.put(KEYS.admin(URL), Entry(_record(Source.ADMIN, replica="b"), 3))
     assert state.registry.get(URL).source is Source.ADMIN
-    state.registry.get(URL).in_flight = 1  # so the drain is visible before it completes
+    state.registry.get(URL).legs.in_flight = 1  # so the drain is visible before it completes
     replica.put(KEYS.removed(URL), Entry(None, 4))
     assert state.registry.get(URL).state is EndpointState.DRAINING
     assert not replica.outbox  # applied, not re-published
     # A full read that no longer shows it changes nothing more; an admin drain here is
     # published as one removal.
     replica.replace_all({})
-    state.registry.get(URL).in_flight = 0
+    state.registry.get(URL).legs.in_flight = 0
     replica.drained("http://10.0.0.8:8100")
     assert [w.record for w in replica.outbox] == [None]
 

@@ -40,7 +40,10 @@ D = "http://10.0.0.2:8200"
 
 def _endpoint(url: str, role: Role = Role.DECODE, **fields) -> Endpoint:
     address = EngineAddress(url=url, zmq_address="10.0.0.9:5555", dp_size=2, transfer_mode="READ")
-    return Endpoint(role=role, address=address, source=Source.REGISTERED, **fields)
+    last_seen = fields.pop("last_seen", None)
+    endpoint = Endpoint.new(role=role, address=address, source=Source.REGISTERED, **fields)
+    endpoint.presence.last_seen = last_seen
+    return endpoint
 
 
 def _record(url: str, role: Role = Role.DECODE, **fields) -> EndpointRecord:
@@ -50,7 +53,7 @@ def _record(url: str, role: Role = Role.DECODE, **fields) -> EndpointRecord:
 def test_a_snapshot_survives_the_wire():
     load = EngineLoad(3, 4, 0.5, 123.25, ranks=(RankLoad(0, 1, 2, 0.5), RankLoad(1, 2, 2, 0.25)))
     decode = _endpoint(D, models=("m",), engine_ids=("e0", "e1"), last_seen=99.5)
-    decode.engine_load = load
+    decode.load.engine_load = load
     decode.health.probe, decode.health.probe_failures = ProbeState.UNHEALTHY, 3
     prefill = _endpoint(P, Role.PREFILL, state=EndpointState.PENDING)
     snapshot = snapshot_of(7, [prefill, decode])
@@ -133,20 +136,20 @@ def test_apply_admits_updates_in_place_and_keeps_the_workers_own_figures(followe
     link, registry, _, _ = follower
     link.apply(Snapshot(1, (_record(P, Role.PREFILL), _record(D))))
     decode = registry.get(D)
-    assert decode is not None and decode.expires_at is None  # only the owner expires
+    assert decode is not None and decode.presence.expires_at is None  # only the owner expires
     assert registry.snapshot().decode == (decode,)
-    decode.in_flight, decode.health.consecutive_failures = 2, 1
+    decode.legs.in_flight, decode.health.consecutive_failures = 2, 1
     load = EngineLoad(running=5, waiting=1, kv_usage=0.1, scraped_at=999.0)
     link.apply(Snapshot(2, (_record(P, Role.PREFILL), _record(D, models=("m",)))))
     assert registry.get(D) is decode and decode.models == ("m",)
     record = dataclasses.replace(_record(D), load=load, probe=ProbeState.UNHEALTHY)
     link.apply(Snapshot(3, (_record(P, Role.PREFILL), record)))
-    assert registry.get(D) is decode and decode.in_flight == 2
+    assert registry.get(D) is decode and decode.legs.in_flight == 2
     assert decode.health.consecutive_failures == 1  # passive health is the worker's
     assert decode.health.probe is ProbeState.UNHEALTHY and registry.snapshot().decode == ()
     # The engine's figures count this worker's 2 legs, which the scheduler adds live.
-    assert decode.engine_load is not None and decode.engine_load.own == 2
-    assert (decode.others, decode.others_until) == (4, 1002.0)
+    assert decode.load.engine_load is not None and decode.load.engine_load.own == 2
+    assert (decode.load.others, decode.load.others_until) == (4, 1002.0)
     link.apply(Snapshot(2, (_record(P, Role.PREFILL),)))  # an old number: ignored
     assert registry.get(D) is decode and link.seq == 3
 
@@ -156,11 +159,11 @@ def test_an_instance_the_owner_dropped_drains_here_until_its_last_leg(follower):
     link.apply(Snapshot(1, (_record(P, Role.PREFILL), _record(D))))
     decode = registry.get(D)
     assert decode is not None
-    decode.in_flight = 1
+    decode.legs.in_flight = 1
     link.apply(Snapshot(2, (_record(P, Role.PREFILL),)))
     assert registry.get(D) is decode and decode.state is EndpointState.DRAINING
     assert registry.snapshot().decode == ()
-    decode.in_flight = 0
+    decode.legs.in_flight = 0
     link.apply(Snapshot(3, (_record(P, Role.PREFILL),)))
     assert registry.get(D) is None
     link.apply(Snapshot(4, ()))  # no legs on it: gone at once
@@ -191,10 +194,10 @@ def test_the_owners_probes_replay_their_effect_on_this_workers_ejections(followe
     failing = dataclasses.replace(_record(D), probe_failures=1)
     link.apply(Snapshot(2, (_record(P, Role.PREFILL), failing)))
     assert decode.health.probe_failed_while_ejected
-    decode.kv_sources["old-engine"] = None
+    decode.legs.kv_sources["old-engine"] = None
     link.apply(Snapshot(3, (_record(P, Role.PREFILL), _record(D))))  # answers again: restarted
     # Its trial is let through now rather than after the ejection.
-    assert decode.health.ejected_until == clock.now and not decode.kv_sources
+    assert decode.health.ejected_until == clock.now and not decode.legs.kv_sources
     # Back from unhealthy: a clean record, as in a single process.
     decode.health.consecutive_failures = 2
     down = dataclasses.replace(_record(D), probe=ProbeState.UNHEALTHY)

@@ -189,7 +189,7 @@ class ReplicaView:
             return Local.ABSENT
         if endpoint.state is EndpointState.DRAINING:
             return Local.DRAINING
-        if self._admitted.get(url) is endpoint and endpoint.expires_at is None:
+        if self._admitted.get(url) is endpoint and endpoint.presence.expires_at is None:
             return Local.LEARNED
         return Local.OWN
 

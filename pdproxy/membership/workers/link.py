@@ -195,7 +195,7 @@ class OwnerLink:
         for endpoint in self._registry.all():
             if endpoint.url in listed:
                 continue
-            if endpoint.in_flight:  # this worker's legs finish first
+            if endpoint.legs.in_flight:  # this worker's legs finish first
                 if endpoint.state is not EndpointState.DRAINING:
                     self._registry.set_state(endpoint.url, EndpointState.DRAINING)
             else:
@@ -215,10 +215,15 @@ class OwnerLink:
             endpoint = self._registry.get(record.address.url)
             assert endpoint is not None
         else:
-            endpoint.source = record.source
-            endpoint.last_seen = record.last_seen
-            endpoint.models = record.models
-            endpoint.engine_ids = record.engine_ids
+            if (endpoint.source, endpoint.models, endpoint.engine_ids) != (
+                record.source,
+                record.models,
+                record.engine_ids,
+            ):
+                endpoint.reidentify(
+                    source=record.source, models=record.models, engine_ids=record.engine_ids
+                )
+            endpoint.presence.last_seen = record.last_seen
             if endpoint.state is not record.state:
                 self._registry.set_state(endpoint.url, record.state)
             self._apply_probe(endpoint, record)
@@ -231,27 +236,31 @@ class OwnerLink:
                 health.probe_failed_while_ejected = True
             elif health.probe_failed_while_ejected and record.probe is ProbeState.HEALTHY:
                 health.probe_failed_while_ejected = False
-                endpoint.kv_sources.clear()  # a restart: a new engine, no KV connections
+                endpoint.legs.kv_sources.clear()  # a restart: a new engine, no KV connections
                 self._outliers.end_ejection(endpoint)
         if record.probe is health.probe:
             return
         if health.probe is ProbeState.UNHEALTHY:
             self._outliers.reset(endpoint)
-        endpoint.kv_sources.clear()  # down, or back after being down: no KV connections
+        endpoint.legs.kv_sources.clear()  # down, or back after being down: no KV connections
         health.probe = record.probe
         self._registry.invalidate()
 
     def _apply_load(self, endpoint: Endpoint, record: EndpointRecord) -> None:
         load = record.load
         if load is None or (
-            endpoint.engine_load is not None and endpoint.engine_load.scraped_at == load.scraped_at
+            endpoint.load.engine_load is not None
+            and endpoint.load.engine_load.scraped_at == load.scraped_at
         ):
             return
         # The engine's figures count every worker's legs; this worker's own are added live
         # by the scheduler, so they come off here (as pdproxy.membership.load_scraper does).
-        load = dataclasses.replace(load, own=float(endpoint.in_flight))
-        endpoint.engine_load = load
-        endpoint.others, endpoint.others_until = load.others, load.scraped_at + self._max_age
+        load = dataclasses.replace(load, own=float(endpoint.legs.in_flight))
+        endpoint.load.engine_load = load
+        endpoint.load.others, endpoint.load.others_until = (
+            load.others,
+            load.scraped_at + self._max_age,
+        )
 
     async def _watch_parent(self) -> None:
         while True:

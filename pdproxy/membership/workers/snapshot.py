@@ -52,23 +52,23 @@ class EndpointRecord:
             state=endpoint.state,
             probe=endpoint.health.probe,
             probe_failures=endpoint.health.probe_failures,
-            last_seen=endpoint.last_seen,
+            last_seen=endpoint.presence.last_seen,
             models=endpoint.models,
             engine_ids=endpoint.engine_ids,
-            load=endpoint.engine_load,
+            load=endpoint.load.engine_load,
         )
 
     def endpoint(self) -> Endpoint:
         """A new worker-side ``Endpoint`` (no lease: only the owner expires instances)."""
-        endpoint = Endpoint(
+        endpoint = Endpoint.new(
             role=self.role,
             address=self.address,
             source=self.source,
             state=self.state,
-            last_seen=self.last_seen,
             models=self.models,
             engine_ids=self.engine_ids,
         )
+        endpoint.presence.last_seen = self.last_seen
         endpoint.health.probe = self.probe
         return endpoint
 

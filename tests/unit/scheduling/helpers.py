@@ -11,18 +11,18 @@ NOW = 1000.0
 
 
 def endpoint(url: str, role: Role = Role.DECODE, *, in_flight: int = 0, dp: int = 1, models=()):
-    e = Endpoint(role=role, address=EngineAddress(url=url, dp_size=dp), source=Source.STATIC)
-    e.in_flight = in_flight
-    e.work = float(in_flight)
-    e.models = tuple(models)
+    e = Endpoint.new(role=role, address=EngineAddress(url=url, dp_size=dp), source=Source.STATIC)
+    e.legs.in_flight = in_flight
+    e.legs.work = float(in_flight)
+    e.reidentify(models=tuple(models))
     return e
 
 
 def with_load(e: Endpoint, running=0.0, waiting=0.0, kv=0.0, age=0.0, ranks=()) -> Endpoint:
     """Figures as the scraper leaves them, read ``age`` seconds ago (fresh for 3 s)."""
     load = EngineLoad(running, waiting, kv, NOW - age, tuple(RankLoad(*r) for r in ranks))
-    e.engine_load = load
-    e.others, e.others_until = load.others, load.scraped_at + 3.0
+    e.load.engine_load = load
+    e.load.others, e.load.others_until = load.others, load.scraped_at + 3.0
     return e
 
 

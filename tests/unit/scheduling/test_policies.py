@@ -87,7 +87,7 @@ def test_consistent_hash_is_sticky_by_session_and_balances_without_one():
     for session in ("a", "b", "c"):
         f = RequestFeatures(session=session)
         assert len({p.choose(ctx(f), eps).url for _ in range(20)}) == 1
-    eps[2].in_flight, eps[2].work = 5, 5.0
+    eps[2].legs.in_flight, eps[2].legs.work = 5, 5.0
     assert p.choose(ctx(), eps).url != "http://e2:1"
 
 
@@ -97,10 +97,10 @@ def test_prefix_affinity_follows_the_longest_prefix_unless_overloaded():
     first = p.choose(ctx(RequestFeatures(blocks=(1, 2, 3))), eps)
     again = p.choose(ctx(RequestFeatures(blocks=(1, 2, 3, 4))), eps)
     assert again is first
-    first.in_flight, first.work = 5, 5.0  # (5+1) > 1 + 2 and > 1 * 1.5: overloaded
+    first.legs.in_flight, first.legs.work = 5, 5.0  # (5+1) > 1 + 2 and > 1 * 1.5: overloaded
     moved = p.choose(ctx(RequestFeatures(blocks=(1, 2, 3, 4, 5))), eps)
     assert moved is not first
-    first.in_flight, first.work = 1, 1.0  # within the thresholds: affinity wins again
+    first.legs.in_flight, first.legs.work = 1, 1.0  # within the thresholds: affinity wins again
     assert p.choose(ctx(RequestFeatures(blocks=(1, 2, 9))), eps) in (first, moved)
 
 
@@ -123,7 +123,7 @@ def test_prefix_affinity_ignores_a_match_under_the_cache_threshold():
     eps = [endpoint(f"http://e{i}:1", Role.PREFILL) for i in range(4)]
     holder = p.choose(ctx(RequestFeatures(blocks=(1, 2))), eps)
     # A new conversation sharing only the first of its 10 blocks (10 % < 30 %): by load.
-    holder.in_flight, holder.work = 1, 1.0
+    holder.legs.in_flight, holder.legs.work = 1, 1.0
     placed = {
         p.choose(ctx(RequestFeatures(blocks=(1, *range(100 + i, 109 + i)))), eps).url
         for i in range(0, 400, 10)

@@ -46,7 +46,7 @@ def test_prefill_dp_ranks_balance_by_legs_in_flight():
     snapshot = Snapshot((p,), (endpoint("http://d:1"),))
     ranks = [s.schedule(RequestFeatures(), snapshot).prefill_dp_rank for _ in range(4)]
     assert ranks == [0, 1, 2, 3]
-    p.rank_in_flight = [3, 0, 2, 1]
+    p.legs.rank_in_flight = [3, 0, 2, 1]
     assert s.schedule(RequestFeatures(), snapshot).prefill_dp_rank == 1
     with_load(p, ranks=[(0, 0, 0, 0), (1, 9, 0, 0), (2, 0, 0, 0), (3, 0, 0, 0)])
     assert s.schedule(RequestFeatures(), snapshot).prefill_dp_rank == 3  # rank 1 busy on P
@@ -55,7 +55,7 @@ def test_prefill_dp_ranks_balance_by_legs_in_flight():
 def test_decode_dp_rank_is_chosen_too():
     s = scheduler()
     d = endpoint("http://d:1", dp=2)
-    d.rank_in_flight = [1, 0]
+    d.legs.rank_in_flight = [1, 0]
     decision = s.schedule(
         RequestFeatures(), Snapshot((endpoint("http://p:1", Role.PREFILL),), (d,))
     )

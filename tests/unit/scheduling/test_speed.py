@@ -14,8 +14,8 @@ def test_slowness_is_relative_to_the_role_and_starts_at_one():
         for e in (fast, fast, fast):
             tracker.observe(e, 0.5, 512)
         tracker.observe(slow, 2.0, 512)
-    assert new.slowness == 1.0
-    assert 2.5 < slow.slowness / fast.slowness < 4.5
+    assert new.speed.slowness == 1.0
+    assert 2.5 < slow.speed.slowness / fast.speed.slowness < 4.5
     assert tracker.typical(Role.PREFILL) > 0 and tracker.typical(Role.DECODE) == 0
 
 
@@ -24,17 +24,17 @@ def test_tiny_prompts_count_as_a_minimum_size():
     a, b = _prefills(2)
     tracker.observe(a, 0.01, 1)
     tracker.observe(b, 0.01, 16)
-    assert a.seconds_per_token == b.seconds_per_token
+    assert a.speed.seconds_per_token == b.speed.seconds_per_token
 
 
 def test_a_slow_idle_prefill_gets_work_only_when_the_others_are_busier():
     s = scheduler(prefill_policy="least-loaded")
     fast, slow = _prefills(2)
-    fast.slowness, slow.slowness = 1.0, 4.0
+    fast.speed.slowness, slow.speed.slowness = 1.0, 4.0
     assert s.prefill.choose(ctx(), [fast, slow]) is fast
-    fast.in_flight, fast.work = 2, 2.0  # (2 + 1) * 1 < (0 + 1) * 4
+    fast.legs.in_flight, fast.legs.work = 2, 2.0  # (2 + 1) * 1 < (0 + 1) * 4
     assert s.prefill.choose(ctx(), [fast, slow]) is fast
-    fast.in_flight, fast.work = 4, 4.0  # (4 + 1) * 1 > 4
+    fast.legs.in_flight, fast.legs.work = 4, 4.0  # (4 + 1) * 1 > 4
     assert s.prefill.choose(ctx(), [fast, slow]) is slow
 
 
@@ -52,6 +52,6 @@ def test_a_prefill_leg_weighs_by_its_prompt_size():
 def test_least_loaded_sends_short_prompts_away_from_long_ones():
     s = scheduler(prefill_policy="least-loaded")
     busy_long, busy_short = _prefills(2)
-    busy_long.in_flight, busy_long.work = 2, 24.0  # two prompts 12x the typical
-    busy_short.in_flight, busy_short.work = 3, 3.0
+    busy_long.legs.in_flight, busy_long.legs.work = 2, 24.0  # two prompts 12x the typical
+    busy_short.legs.in_flight, busy_short.legs.work = 3, 3.0
     assert s.prefill.choose(ctx(), [busy_long, busy_short]) is busy_short
