@@ -27,7 +27,7 @@ run: install
 ## and the Debian tools of the browser, deploy and etcd tiers where it can: tests/install-tools.sh)
 test: install
 	@bash tests/install-tools.sh
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
 
 ## test-fast: unit and loopback tiers only, no real vLLM engines
 test-fast: install
