@@ -86,9 +86,22 @@ async def watched(proxy: RunningProxy, fd_slack: int = FD_SLACK) -> AsyncIterato
 
 
 @contextlib.asynccontextmanager
-async def proxy_with(config: ProxyConfig) -> AsyncIterator[RunningProxy]:
-    async with running_proxy(config) as proxy:
-        yield proxy
+async def admin_pair() -> AsyncIterator[tuple[RunningProxy, Any, Any]]:
+    """A 1P1D sim pair behind pdproxy with the admin API on, ``/health`` watched: the
+    proxy, the prefill sim and the decode sim."""
+    async with (
+        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
+        running_sim(SimConfig(role="decode", model=MODEL)) as d,
+        running_proxy(
+            ProxyConfig(
+                prefill=(EngineAddress(url=p.url),),
+                decode=(EngineAddress(url=d.url),),
+                admin_api_key=KEY,
+            )
+        ) as proxy,
+        watched(proxy),
+    ):
+        yield proxy, p, d
 
 
 async def admin_add(proxy: RunningProxy, body: Any, raw: bytes | None = None) -> tuple[int, Any]:
@@ -126,18 +139,7 @@ def aliases(port: int) -> list[str]:
 
 
 async def test_own_address_refused_by_admin_under_every_alias():
-    async with (
-        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
-        running_sim(SimConfig(role="decode", model=MODEL)) as d,
-        proxy_with(
-            ProxyConfig(
-                prefill=(EngineAddress(url=p.url),),
-                decode=(EngineAddress(url=d.url),),
-                admin_api_key=KEY,
-            )
-        ) as proxy,
-        watched(proxy),
-    ):
+    async with admin_pair() as (proxy, p, d):
         port = own_port(proxy)
         for instance in aliases(port):
             for role in ("prefill", "decode"):
@@ -155,7 +157,7 @@ async def test_own_address_refused_at_registration_under_every_alias(caplog):
     registry_port = free_port()
     config = ProxyConfig(registry=RegistryConfig(port=registry_port, host="127.0.0.1"))
     async with (
-        proxy_with(config) as proxy,
+        running_proxy(config) as proxy,
         watched(proxy),
         dealer(f"tcp://127.0.0.1:{registry_port}") as sock,
     ):
@@ -190,7 +192,7 @@ async def test_own_hop_is_refused_508_before_any_leg():
     async with (
         running_sim(SimConfig(role="prefill", model=MODEL)) as p,
         running_sim(SimConfig(role="decode", model=MODEL)) as d,
-        proxy_with(
+        running_proxy(
             ProxyConfig(prefill=(EngineAddress(url=p.url),), decode=(EngineAddress(url=d.url),))
         ) as proxy,
         watched(proxy),
@@ -271,7 +273,7 @@ async def test_a_real_loop_ends_at_the_first_hop(looped):
             decode=(EngineAddress(url=decode),),
             health=HealthConfig(interval=0),  # its first probe would reach no pdproxy yet
         )
-        async with proxy_with(config) as proxy:
+        async with running_proxy(config) as proxy:
             target["port"] = own_port(proxy)
             assert proxy.state.registry.snapshot().decode  # routable: the loop is live
             # A request in flight holds about 8 files here (its client's connection, the
@@ -304,7 +306,7 @@ async def test_unsendable_zmq_address_refused_at_decode(zmq_address):
     )
     async with (
         running_sim(SimConfig(role="prefill", model=MODEL)) as p,
-        proxy_with(config) as proxy,
+        running_proxy(config) as proxy,
         watched(proxy),
         dealer(f"tcp://127.0.0.1:{registry_port}") as sock,
     ):
@@ -348,7 +350,7 @@ async def test_unbuildable_leg_counts_against_its_instance_and_is_retried(poison
             decode=addresses(ds, "decode"),
             scheduling=ROUND_ROBIN,
         )
-        proxy = await stack.enter_async_context(proxy_with(config))
+        proxy = await stack.enter_async_context(running_proxy(config))
         async with watched(proxy):
             statuses = [(await complete(proxy))[0] for _ in range(8)]
         assert statuses == [200] * 8
@@ -404,18 +406,7 @@ MALFORMED_BODIES = [b"", b"not json", b"[1, 2]", b"null", b'"decode"', b"\xff\xf
 
 
 async def test_malformed_admin_adds_are_4xx_never_500():
-    async with (
-        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
-        running_sim(SimConfig(role="decode", model=MODEL)) as d,
-        proxy_with(
-            ProxyConfig(
-                prefill=(EngineAddress(url=p.url),),
-                decode=(EngineAddress(url=d.url),),
-                admin_api_key=KEY,
-            )
-        ) as proxy,
-        watched(proxy),
-    ):
+    async with admin_pair() as (proxy, _, _):
         for body in MALFORMED_ADDS:
             status, text = await admin_add(proxy, body)
             assert status == 400 and orjson.loads(text)["error"]["message"], (body, text)
@@ -471,7 +462,7 @@ async def test_wrong_shaped_probe_answer_is_a_clear_refusal(models, caplog):
     )
     async with (
         hostile_engine(models) as engine,
-        proxy_with(config) as proxy,
+        running_proxy(config) as proxy,
         watched(proxy),
         dealer(f"tcp://127.0.0.1:{registry_port}") as sock,
     ):
@@ -492,7 +483,7 @@ async def test_aliases_are_one_instance():
     async with (
         running_sim(SimConfig(role="prefill", model=MODEL)) as p,
         running_sim(SimConfig(role="decode", model=MODEL)) as extra,
-        proxy_with(
+        running_proxy(
             ProxyConfig(
                 prefill=(EngineAddress(url=p.url),),
                 admin_api_key=KEY,
