@@ -158,6 +158,7 @@ class Services:
         await state.membership.settle()  # the static instances' warm-ups (--warm-pairs)
         state.health.start()
         state.loads.start()
+        state.models.start()
         state.membership.start()
         if self._shared is not None:  # the fleet other replicas know, before heartbeats
             await self._shared.start()
@@ -192,4 +193,5 @@ class Services:
             await self._shared.aclose()
         await state.health.aclose()
         await state.loads.aclose()
+        await state.models.aclose()
         await state.membership.aclose()

@@ -19,6 +19,7 @@ from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.health import HealthChecker
 from pdproxy.membership.load_scraper import LoadScraper
 from pdproxy.membership.membership import Membership
+from pdproxy.membership.models import ModelReader
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.admission import Admission
 from pdproxy.proxying.kv_release import KVRelease
@@ -234,6 +235,9 @@ def _app_state(
             client=core.client,
             metrics=core.metrics,
             clock=clock,
+        ),
+        models=ModelReader(
+            interval=config.health.models_interval, registry=core.registry, client=core.client
         ),
         passthrough=passthrough,
         clock=clock,

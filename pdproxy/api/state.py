@@ -15,6 +15,7 @@ from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.health import HealthChecker
 from pdproxy.membership.load_scraper import LoadScraper
 from pdproxy.membership.membership import Membership
+from pdproxy.membership.models import ModelReader
 from pdproxy.membership.workers.link import OwnerLink
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.multiproc import WorkerGauges
@@ -43,6 +44,7 @@ class AppState:
     keys: ClientKeys
     lifecycle: Lifecycle
     loads: LoadScraper  # the engines' /metrics scrapes
+    models: ModelReader  # the engines' /v1/models re-reads
     passthrough: Passthrough  # the endpoints served by one decode (pdproxy.wire.routes)
     clock: Callable[[], float] = time.monotonic
     admission: Admission | None = None  # None: no --max-concurrent-requests

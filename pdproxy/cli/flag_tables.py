@@ -175,6 +175,14 @@ RESILIENCE_FLAGS = (
         type=float,
     ),
     Flag(
+        names=("--models-refresh-secs",),
+        group=RESILIENCE,
+        help="Seconds between re-reads of every instance's /v1/models: the models and LoRA"
+        " adapters it serves, which decide the requests it takes (0: off).",
+        field="health.models_interval",
+        type=float,
+    ),
+    Flag(
         names=("--health-failure-threshold",),
         group=RESILIENCE,
         help="Failed checks in a row that make an instance unhealthy (not routable).",

@@ -191,7 +191,7 @@ class Orchestrator:
         if retry_reason(failure) is None:
             return False
         tried = {transfer.decision.prefill.url, *run.tried.get(Role.PREFILL, ())}
-        return not self._usable(self._pool(Role.PREFILL), tried)
+        return not self._usable(self._pool(Role.PREFILL, run.features.model), tried)
 
     async def _decode_only(
         self, request: ClientRequest, run: _Run, decision: DecodeOnly
@@ -260,7 +260,8 @@ class Orchestrator:
             self._release.orphaned(request, transfer, answer, failed=failed)
 
     def _pick(self, run: _Run) -> PairDecision | DecodeOnly:
-        snapshot = self._registry.snapshot()
+        # The instances serving the request's model (one dict hit): its P and D agree.
+        snapshot = self._registry.pools().require(run.features.model)
         view = Snapshot(
             prefill=self._usable(snapshot.prefill, ()), decode=self._usable(snapshot.decode, ())
         )
@@ -270,8 +271,8 @@ class Orchestrator:
         self._retries.picked(run, decision.decode)
         return decision
 
-    def _pool(self, role: Role) -> tuple[Endpoint, ...]:
-        snapshot = self._registry.snapshot()
+    def _pool(self, role: Role, model: str | None) -> tuple[Endpoint, ...]:
+        snapshot = self._registry.pools().lookup(model)
         return snapshot.prefill if role is Role.PREFILL else snapshot.decode
 
     def _usable(self, pool: tuple[Endpoint, ...], avoid: Collection[str]) -> tuple[Endpoint, ...]:

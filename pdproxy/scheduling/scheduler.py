@@ -63,7 +63,7 @@ class Scheduler:
     def schedule(self, features: RequestFeatures, snapshot: Snapshot) -> PairDecision | DecodeOnly:
         """A prefill and a decode, or a decode alone; raises ``NoEndpointAvailable``."""
         if not snapshot.decode:
-            raise NoEndpointAvailable("no decode instance is available")
+            raise NoEndpointAvailable(f"no decode instance{_serving(features)} is available")
         ctx = Context(features, self._clock(), self._max_age)
         if features.one_leg is not None:  # vLLM cannot split it across two legs
             if not self._decode_alone:
@@ -76,7 +76,7 @@ class Scheduler:
             return self._decode_only(ctx, snapshot.decode, features.one_leg)
         if not snapshot.prefill:
             if not self.decode_only_fallback:
-                raise NoEndpointAvailable("no prefill instance is available")
+                raise NoEndpointAvailable(f"no prefill instance{_serving(features)} is available")
             return self._decode_only(ctx, snapshot.decode, NO_PREFILL)
         if not self._decider.disaggregate(ctx, self._cached_tokens(ctx)):
             return self._decode_only(ctx, snapshot.decode, SHORT_PROMPT)
@@ -94,7 +94,7 @@ class Scheduler:
     ) -> tuple[Endpoint, int | None]:
         """Another instance of ``role`` (and its DP rank) for a retry."""
         if not candidates:
-            raise NoEndpointAvailable(f"no {role.value} instance is available")
+            raise NoEndpointAvailable(f"no {role.value} instance{_serving(features)} is available")
         ctx = Context(features, self._clock(), self._max_age)
         policy = self.prefill if role is Role.PREFILL else self.decode
         chosen = _owned(policy.choose(ctx, candidates))
@@ -120,6 +120,11 @@ class Scheduler:
             return 0.0
         share = max(depths.values()) / len(blocks)
         return ctx.features.tokens * share
+
+
+def _serving(features: RequestFeatures) -> str:
+    """What a 503 names: the model no routable instance serves, when the request named one."""
+    return "" if features.model is None else f" serving model {features.model!r}"
 
 
 def _owned(chosen: EndpointView) -> Endpoint:
