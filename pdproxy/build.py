@@ -25,6 +25,7 @@ from pdproxy.proxying.admission import Admission
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs
 from pdproxy.proxying.lifecycle import Lifecycle
+from pdproxy.proxying.lora import LoraClient
 from pdproxy.proxying.orchestrator import Orchestrator
 from pdproxy.proxying.passthrough import Passthrough
 from pdproxy.proxying.render_once import RenderOnce
@@ -239,6 +240,7 @@ def _app_state(
         models=ModelReader(
             interval=config.health.models_interval, registry=core.registry, client=core.client
         ),
+        lora=LoraClient(registry=core.registry, client=core.client),
         passthrough=passthrough,
         clock=clock,
         admission=(Admission(config.admission, core.metrics) if config.admission.enabled else None),

@@ -23,6 +23,7 @@ from pdproxy.observability.tracing import NullTracer, Tracer
 from pdproxy.proxying.admission import Admission
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.lifecycle import Lifecycle
+from pdproxy.proxying.lora import LoraClient
 from pdproxy.proxying.orchestrator import Orchestrator
 from pdproxy.proxying.passthrough import Passthrough
 from pdproxy.proxying.render_once import RenderOnce
@@ -45,6 +46,7 @@ class AppState:
     lifecycle: Lifecycle
     loads: LoadScraper  # the engines' /metrics scrapes
     models: ModelReader  # the engines' /v1/models re-reads
+    lora: LoraClient  # vLLM's runtime LoRA API on one instance
     passthrough: Passthrough  # the endpoints served by one decode (pdproxy.wire.routes)
     clock: Callable[[], float] = time.monotonic
     admission: Admission | None = None  # None: no --max-concurrent-requests
