@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -60,6 +61,7 @@ async def status(request: Request) -> Response:
         "decode_nodes": decode,
         "instances": [describe(e, state.outliers, now=now) for e in endpoints],
         "models": model_pools(state),
+        "lora": dataclasses.asdict(state.lora.counts),
         "registry_backend": (
             {"backend": "in-process", "up": True}
             if state.registry_backend is None

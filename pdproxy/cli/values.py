@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from pdproxy.config.addresses import parse_engine_url
+from pdproxy.config.lora import parse_lora_modules
 from pdproxy.config.registry import parse_registry_backend
 from pdproxy.config.scheduling import DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY
 from pdproxy.errors import ConfigError
@@ -105,3 +106,8 @@ def admin_key(args: argparse.Namespace) -> str | None:
             raise ConfigError("--admin-api-key-file is empty")
         return key
     return args.admin_api_key or None
+
+
+def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules NAME=PATH ...`` as (name, path) pairs."""
+    return parse_lora_modules(args.lora_modules or ())

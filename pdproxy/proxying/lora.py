@@ -48,6 +48,7 @@ class LoraCounts:
 
     loads: int = 0
     unloads: int = 0
+    evictions: int = 0  # unloads --max-loras made to free a slot (counted in unloads too)
     by_adapter: dict[str, int] = field(default_factory=dict)  # loads per adapter
 
 

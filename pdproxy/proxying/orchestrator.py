@@ -32,6 +32,7 @@ from pdproxy.observability.request_context import bind_request_id
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs
+from pdproxy.proxying.lora_demand import LoraOnDemand
 from pdproxy.proxying.retries import Retries, RetryRun
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget, retry_reason
@@ -97,8 +98,10 @@ class Orchestrator:
         budget: RetryBudget,
         metrics: ProxyMetrics,
         rng: random.Random,
+        lora: LoraOnDemand | None = None,
     ) -> None:
         self._registry = registry
+        self._lora = lora  # --lora-load-on-demand
         self._scheduler = scheduler
         self._connector = connector
         self._legs = legs
@@ -125,6 +128,8 @@ class Orchestrator:
         retries = self._retries.begin()
         run = _Run(self._scheduler.features(request.body, request.session), retries)
         try:
+            if self._lora is not None:
+                await self._lora.ensure(run.features)
             return await self._handle(request, run)
         finally:
             run.unreserve()

@@ -26,6 +26,8 @@ SAMPLES: dict[str, list[str]] = {
     "--decode": ["--decode", "e:8300"],
     "--kv-connector": ["--kv-connector", "example"],
     "--model": ["--model", "m"],
+    "--lora-modules": ["--lora-modules", "sql=/a"],
+    "--lora-load-on-demand": ["--lora-load-on-demand", "--lora-modules", "sql=/a"],
     "--transfer-mode": ["--transfer-mode", "write"],
     "--policy": ["--policy", "round_robin"],
     "--prefill-policy": ["--prefill-policy", "random"],
