@@ -2,17 +2,16 @@
 LoRA API, fanned out to every routable instance (prefills and decodes alike, so that any
 pair may serve the adapter), each instance's ``/v1/models`` re-read afterwards.
 
-The answer is vLLM's: 200 with the engines' success line when every instance accepted;
-else the first refusal as the engine gave it (a 404 for an adapter none holds, a 400 for
-one already loaded...), or 502/503 when an instance could not be reached. No routable
-instance: 503.
+The answer is vLLM's: 200 with the engines' success line when some instance loaded
+(unloaded) the adapter and every other one already held it (did not hold it); vLLM's 400
+(404) when every instance already held it (none held it); another refusal as the engine
+gave it; 502/503 when an instance could not be reached. No routable instance: 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -42,7 +41,7 @@ async def _fan_out(request: Request, path: str) -> Response:
     body = await request.body()
     if len(body) > _MAX_BODY:
         body = b""  # the engines answer vLLM's 400 for the missing fields
-    targets = _targets(state, path, body)
+    targets = [e for e in state.registry.all() if e.routable]
     if not targets:
         raise NoEndpointAvailable("no instance is available")
     headers = {"content-type": "application/json"}
@@ -55,27 +54,25 @@ async def _fan_out(request: Request, path: str) -> Response:
     for answer in answers:
         if isinstance(answer, BaseException):  # an UpstreamError: 502/503/504
             raise answer
-        if not answer.ok:
-            return Response(answer.body, answer.status, media_type=answer.content_type)
-    first = answers[0]
-    assert isinstance(first, LoraAnswer)
-    return Response(first.body, first.status, media_type=first.content_type)
+    chosen = _verdict([a for a in answers if isinstance(a, LoraAnswer)], path)
+    return Response(chosen.body, chosen.status, media_type=chosen.content_type)
 
 
-def _targets(state: AppState, path: str, body: bytes) -> list[Endpoint]:
-    """The routable instances to ask: a load goes to those that do not list the adapter,
-    an unload to those that do (an instance whose models are not known yet: both); when
-    none is left, all of them, for vLLM's own answer (already loaded, cannot be found)."""
-    routable = [e for e in state.registry.all() if e.routable]
-    try:
-        name = orjson.loads(body).get("lora_name") if body else None
-    except (orjson.JSONDecodeError, AttributeError):
-        name = None
-    if not isinstance(name, str):
-        return routable
-    loading = path == LOAD
-    wanted = [e for e in routable if not e.models or (name in e.models) != loading]
-    return wanted or routable
+def _verdict(answers: list[LoraAnswer], path: str) -> LoraAnswer:
+    """The answer for the client: a success when some instance changed and every other
+    one only said it had nothing to change (an unload's 404 where the adapter was not, a
+    load's 400 where it already was); else the first other refusal; else the first."""
+    done = [a for a in answers if a.ok]
+    other = [a for a in answers if not a.ok and not _nothing_to_do(a, path)]
+    if other:
+        return other[0]
+    return done[0] if done else answers[0]
+
+
+def _nothing_to_do(answer: LoraAnswer, path: str) -> bool:
+    if path == UNLOAD:
+        return answer.status == 404
+    return answer.status == 400 and b"already been loaded" in answer.body
 
 
 async def _one(

@@ -50,6 +50,7 @@ class ModelReader:
     async def read(self, endpoint: Endpoint) -> bool:
         """Re-read one instance's ``/v1/models``; True when its list changed. Never raises
         for the engine's fault."""
+        before = endpoint.identity  # a LoRA load or unload meanwhile makes a new one
         try:
             answer: Any = await self._client.get_json(endpoint.url + "/v1/models")
         except (UpstreamError, ValueError):
@@ -57,8 +58,8 @@ class ModelReader:
         models = served_models(answer)
         if models is None or models == endpoint.models:
             return False
-        if self._registry.get(endpoint.url) is not endpoint:  # replaced or removed meanwhile
-            return False
+        if self._registry.get(endpoint.url) is not endpoint or endpoint.identity is not before:
+            return False  # replaced, removed or re-identified meanwhile: this answer is stale
         logger.info("%s %s now serves %s", endpoint.role.value, endpoint.url, list(models))
         endpoint.reidentify(models=models)
         self._registry.invalidate()

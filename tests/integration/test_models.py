@@ -191,3 +191,25 @@ async def test_the_only_pair_of_a_model_down_is_503_naming_it(model: str) -> Non
         assert all(not legs for legs in f.legs().values())
         for other in (ALPHA, BETA):
             assert (await _complete(f.proxy.url, other))[0] == 200
+
+
+async def test_admin_add_may_state_the_models_the_instance_must_serve() -> None:
+    async with (
+        running_sim(SimConfig(role="prefill", model=ALPHA)) as p,
+        running_sim(SimConfig(role="decode", model=ALPHA)) as d,
+        running_sim(SimConfig(role="decode", model=ALPHA, served_models=(BETA,))) as extra,
+    ):
+        config = ProxyConfig(
+            prefill=(EngineAddress(url=p.url),),
+            decode=(EngineAddress(url=d.url),),
+            admin_api_key="k" * 16,
+            health=HealthConfig(models_interval=0.05),
+        )
+        async with running_proxy(config) as proxy, aiohttp.ClientSession() as s:
+            headers = {"X-API-Key": "k" * 16}
+            add = {"type": "decode", "instance": extra.url.split("//")[1]}
+            for stated, status in (([GAMMA], 400), (["x", 1], 400), ([ALPHA, BETA], 200)):
+                body = {**add, "models": stated}
+                async with s.post(proxy.url + "/instances/add", json=body, headers=headers) as r:
+                    assert r.status == status, await r.text()
+            await _until(lambda: set(proxy.state.registry.pools().by_model) == {ALPHA, BETA})
