@@ -390,3 +390,6 @@ class Membership:
             )
             for e in self._registry.all()
         )
+        self._metrics.set_endpoint_models(
+            (e.role.value, e.url, e.models) for e in self._registry.all()
+        )

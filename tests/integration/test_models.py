@@ -103,6 +103,10 @@ async def test_every_request_reaches_a_pair_serving_its_model() -> None:
         for name, models in legs.items():
             assert models and set(models) <= SERVES[name], (name, models)
         assert legs["p1"].count(ALPHA) == legs["p1"].count(BETA) == 3
+        async with aiohttp.ClientSession() as s, s.get(f.proxy.url + "/metrics") as r:
+            page = await r.text()
+        d3 = f.sims["d3"].url
+        assert f'pdproxy_endpoint_model{{model="{GAMMA}",role="decode",url="{d3}"}} 1.0' in page
         pools = await _status_models(f.proxy.url)
         assert pools[GAMMA] == {
             "prefill": [f.sims["p2"].url.split("//")[1]],
