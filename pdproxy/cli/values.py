@@ -10,7 +10,11 @@ from collections.abc import Callable, Sequence
 from pdproxy.config.addresses import parse_engine_url
 from pdproxy.config.lora import parse_lora_modules
 from pdproxy.config.registry import parse_registry_backend
-from pdproxy.config.scheduling import DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY
+from pdproxy.config.scheduling import (
+    DEFAULT_DECODE_POLICY,
+    DEFAULT_PREFILL_POLICY,
+    parse_model_policies,
+)
 from pdproxy.errors import ConfigError
 from pdproxy.types import EngineAddress
 
@@ -111,3 +115,8 @@ def admin_key(args: argparse.Namespace) -> str | None:
 def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """``--lora-modules NAME=PATH ...`` as (name, path) pairs."""
     return parse_lora_modules(args.lora_modules or ())
+
+
+def model_policies(args: argparse.Namespace) -> tuple[tuple[str, str, str], ...]:
+    """``--model-policy MODEL=PREFILL[:DECODE] ...``."""
+    return parse_model_policies(tuple(args.model_policy or ()))

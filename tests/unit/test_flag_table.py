@@ -32,6 +32,7 @@ SAMPLES: dict[str, list[str]] = {
     "--policy": ["--policy", "round_robin"],
     "--prefill-policy": ["--prefill-policy", "random"],
     "--decode-policy": ["--decode-policy", "random"],
+    "--model-policy": ["--model-policy", "sticky=consistent_hash"],
     "--session-header": ["--session-header", "X-User"],
     "--decode-only-fallback": ["--decode-only-fallback"],
     "--host": ["--host", "127.0.0.1"],
