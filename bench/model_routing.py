@@ -5,9 +5,9 @@ what rebuilding the per-model pools costs when the registry changes.
 Per request, the orchestrator looks the request's model up in the registry's pools (one
 dict hit) and the scheduler picks a pair among them; before routing by model it took the
 registry's snapshot and its model filter scanned it. Pure CPU, no I/O, in process CPU
-time, best of 5 rounds (timeit's rule).
+time, best of 15 rounds taken in turns (timeit's rule).
 
-    python -m bench.model_routing [--instances 40] [--requests 20000]
+    python -m bench.model_routing [--instances 40] [--requests 5000]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.types import Endpoint, EngineAddress, Role, Source
 
 _ROUNDS = 5
+_INTERLEAVED = 15
 NOW = 1000.0
 BASES, ADAPTERS = 10, 50
 
@@ -62,7 +63,7 @@ def _best(run: Callable[[], None], n: int) -> float:
     return min(costs)
 
 
-def per_request(registry: EndpointRegistry, requests: int) -> tuple[float, float, float]:
+def per_request(registry: EndpointRegistry, requests: int) -> tuple[float, ...]:
     """(µs for the pools lookup, µs for lookup + a least-loaded pair, µs for the snapshot +
     a pair as before routing by model)."""
     rng = random.Random(3)
@@ -83,7 +84,19 @@ def per_request(registry: EndpointRegistry, requests: int) -> tuple[float, float
         for f in features:
             scheduler.schedule(f, registry.snapshot())
 
-    return _best(lookup, requests), _best(routed, requests), _best(before, requests)
+    return _interleaved((lookup, routed, before), requests)
+
+
+def _interleaved(runs: tuple[Callable[[], None], ...], n: int) -> tuple[float, ...]:
+    """The best of ``_INTERLEAVED`` rounds of each, the runs taking turns within a round, so
+    that a busy spell of the machine does not land on one of them only."""
+    costs: list[list[float]] = [[] for _ in runs]
+    for _ in range(_INTERLEAVED):
+        for run, cost in zip(runs, costs, strict=True):
+            started = time.process_time()
+            run()
+            cost.append((time.process_time() - started) / n * 1e6)
+    return tuple(min(c) for c in costs)
 
 
 def rebuild(registry: EndpointRegistry) -> float:
@@ -95,7 +108,7 @@ def rebuild(registry: EndpointRegistry) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--instances", type=int, default=40, help="half prefills, half decodes")
-    p.add_argument("--requests", type=int, default=20000, help="per round (5 rounds)")
+    p.add_argument("--requests", type=int, default=5000, help="per round (15 rounds)")
     a = p.parse_args(argv)
     fleets = (
         ("one model", _registry(a.instances, lambda _: ("m",))),
