@@ -144,6 +144,10 @@ def _lora_on_demand(
         outliers=core.outliers,
         headers=headers,
         clock=clock,
+        spread_at=(
+            config.scheduling.balance_abs_threshold,
+            config.scheduling.balance_rel_threshold,
+        ),
     )
 
 

@@ -3,9 +3,13 @@ pair holds loads it on a prefill and a decode first, through vLLM's runtime LoRA
 
 Affinity comes from the per-model pools (``pdproxy.fleet.models``): an adapter's requests
 go only to the instances that hold it, so a pair that loaded it keeps its traffic and the
-engines' adapter slots are not churned. Only when no routable decode holds it is a pair
-chosen, as the policies choose any pair (load, prefix cache), among the instances that
-share a model with the chosen decode (its base), and the adapter loaded on both at once.
+engines' adapter slots are not churned. When no routable decode holds it, or when every
+decode holding it is overloaded next to the least busy one that does not (a hot adapter:
+the overload filter's ``--balance-abs-threshold`` and ``--balance-rel-threshold``), a pair
+that does not hold it is chosen, as the policies choose any pair, the prefill among the
+instances that share a model with the chosen decode (its base), and the adapter loaded on
+both at once; the request that saw the need waits for the load, the others go on to the
+holders.
 Concurrent requests for one adapter wait for the same load. With ``--max-loras N``, an
 instance already holding N adapters pdproxy loaded there first unloads the one least
 recently requested (an eviction). A load that fails fails the request with the engine's
@@ -47,8 +51,12 @@ class LoraOnDemand:
         outliers: OutlierDetector,
         headers: Mapping[str, str],
         clock: Callable[[], float],
+        spread_at: tuple[float, float] = (4.0, 1.5),
     ) -> None:
         self._paths = config.paths
+        # (abs, rel): holders busier than this over the least busy other decode (the
+        # overload filter's --balance-abs-threshold and --balance-rel-threshold)
+        self._spread_abs, self._spread_rel = spread_at
         self._max = config.max_loras
         self._registry = registry
         self._lora = lora
@@ -68,8 +76,9 @@ class LoraOnDemand:
         if model is None or model not in self._paths:
             return
         self._last_used[model] = self._clock()
-        if self._registry.pools().lookup(model).decode:
-            return
+        holders = self._registry.pools().lookup(model).decode
+        if holders and (model in self._loading or not self._hot(model, holders)):
+            return  # (a spread under way: this request goes to a holder)
         pending = self._loading.get(model)
         if pending is None:
             pending = asyncio.ensure_future(self._load_on_a_pair(model, features))
@@ -77,16 +86,32 @@ class LoraOnDemand:
             pending.add_done_callback(lambda _: self._loading.pop(model, None))
         await asyncio.shield(pending)  # one client leaving does not cancel the others' load
 
+    def _hot(self, name: str, holders: tuple[Endpoint, ...]) -> bool:
+        """Whether every decode holding adapter ``name`` is overloaded next to the least
+        busy decode that does not: then a second pair gets it (a hot adapter spreads)."""
+        others = [e.legs.work for e in self._registry.snapshot().decode if name not in e.models]
+        if not others:
+            return False
+        floor = min(others) + 1.0
+        least = min(e.legs.work for e in holders) + 1.0
+        return least > floor + self._spread_abs and least > floor * self._spread_rel
+
     async def _load_on_a_pair(self, name: str, features: RequestFeatures) -> None:
+        """Load ``name`` on a decode that does not hold it and on a prefill that agrees
+        with it (one that does not hold it either, if there is one)."""
         snapshot = self._registry.snapshot()
         anyone = dataclasses.replace(features, model=None)
-        decode, _ = self._scheduler.pick(
-            Role.DECODE, anyone, self._outliers.usable(snapshot.decode)
-        )
+        decodes = tuple(d for d in snapshot.decode if name not in d.models)
+        decode, _ = self._scheduler.pick(Role.DECODE, anyone, self._outliers.usable(decodes))
+        prefills = tuple(p for p in snapshot.prefill if _agree(p, decode))
+        fresh = tuple(p for p in prefills if name not in p.models)
         targets = [decode]
-        prefills = self._outliers.usable(tuple(p for p in snapshot.prefill if _agree(p, decode)))
         if prefills:
-            targets.append(self._scheduler.pick(Role.PREFILL, anyone, prefills)[0])
+            prefill = self._scheduler.pick(
+                Role.PREFILL, anyone, self._outliers.usable(fresh or prefills)
+            )[0]
+            if name not in prefill.models:
+                targets.append(prefill)
         logger.info("loading %s on demand on %s", name, ", ".join(e.url for e in targets))
         await asyncio.gather(*(self._load_on(e, name) for e in targets))
 

@@ -95,3 +95,19 @@ async def test_an_adapter_not_in_lora_modules_is_a_404_without_a_load() -> None:
         assert status == 404 and answer["error"]["param"] == "model"
         assert proxy.state.lora.counts.loads == 0
         assert not any(s.generation_requests() for s in sims)
+
+
+async def test_a_hot_adapter_spreads_to_a_second_pair() -> None:
+    async with fleet() as (proxy, sims), aiohttp.ClientSession() as session:
+        assert (await _complete(session, proxy.url, "sql"))[0] == 200
+        first = _holding(sims, "sql")
+        holder = proxy.state.registry.get(sims[first[1]].url)
+        holder.legs.work = 10.0  # its decode is far busier than the other one
+        try:
+            assert (await _complete(session, proxy.url, "sql"))[0] == 200
+        finally:
+            holder.legs.work = 0.0
+        assert _holding(sims, "sql") == [0, 1, 2, 3]  # both pairs hold it now
+        assert proxy.state.lora.counts.loads == 4
+        assert (await _complete(session, proxy.url, "sql"))[0] == 200  # no third load
+        assert proxy.state.lora.counts.loads == 4
