@@ -154,7 +154,9 @@ class Services:
         single pdproxy and the ``--workers`` membership owner run."""
         state = self._state
         state.membership.add_static()
-        await state.health.settle()
+        await asyncio.gather(
+            state.health.settle(), state.models.settle(state.config.health.timeout)
+        )
         await state.membership.settle()  # the static instances' warm-ups (--warm-pairs)
         state.health.start()
         state.loads.start()

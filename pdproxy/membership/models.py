@@ -13,6 +13,7 @@ that changed rebuilds the registry's pools.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -33,6 +34,14 @@ class ModelReader:
         self._registry = registry
         self._client = client
         self._task: asyncio.Task[None] | None = None
+
+    async def settle(self, timeout: float) -> None:
+        """The first round, at start-up, within ``timeout`` seconds: the static instances'
+        models are known before the first request (an instance that does not answer in
+        time takes any model until the next round)."""
+        if self.interval > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.read_all(), timeout)
 
     def start(self) -> None:
         if self.interval > 0:
@@ -60,15 +69,17 @@ class ModelReader:
             return False
         if self._registry.get(endpoint.url) is not endpoint or endpoint.identity is not before:
             return False  # replaced, removed or re-identified meanwhile: this answer is stale
-        logger.info("%s %s now serves %s", endpoint.role.value, endpoint.url, list(models))
+        # A change is news; the first list of an instance admitted without one is not.
+        level = logging.INFO if endpoint.models else logging.DEBUG
+        logger.log(level, "%s %s serves %s", endpoint.role.value, endpoint.url, list(models))
         endpoint.reidentify(models=models)
         self._registry.invalidate()
         return True
 
     async def _run(self) -> None:
         while True:
+            await asyncio.sleep(self.interval)  # (the first round is ``settle``'s)
             try:
                 await self.read_all()
             except Exception:  # the reader must outlive any one bad answer
                 logger.exception("models round failed")
-            await asyncio.sleep(self.interval)
