@@ -50,6 +50,7 @@ ANCHOR ?=
 bench: install
 	$(PY) -m bench.run $(if $(ANCHOR),--anchor $(ANCHOR)) $(BENCH_ARGS)
 	$(PY) -m bench.sched_micro
+	$(PY) -m bench.model_routing
 
 ## fuzz: the differential test of the legs' HTTP/1.1 client against h11, at length
 ## (FUZZ_EXAMPLES random answers, a new seed each run; make test runs 300, derandomized)

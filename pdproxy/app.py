@@ -154,10 +154,13 @@ class Services:
         single pdproxy and the ``--workers`` membership owner run."""
         state = self._state
         state.membership.add_static()
-        await state.health.settle()
+        await asyncio.gather(
+            state.health.settle(), state.models.settle(state.config.health.timeout)
+        )
         await state.membership.settle()  # the static instances' warm-ups (--warm-pairs)
         state.health.start()
         state.loads.start()
+        state.models.start()
         state.membership.start()
         if self._shared is not None:  # the fleet other replicas know, before heartbeats
             await self._shared.start()
@@ -192,4 +195,5 @@ class Services:
             await self._shared.aclose()
         await state.health.aclose()
         await state.loads.aclose()
+        await state.models.aclose()
         await state.membership.aclose()

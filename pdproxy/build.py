@@ -19,11 +19,14 @@ from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.health import HealthChecker
 from pdproxy.membership.load_scraper import LoadScraper
 from pdproxy.membership.membership import Membership
+from pdproxy.membership.models import ModelReader
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.admission import Admission
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs
 from pdproxy.proxying.lifecycle import Lifecycle
+from pdproxy.proxying.lora import LoraClient
+from pdproxy.proxying.lora_demand import LoraOnDemand
 from pdproxy.proxying.orchestrator import Orchestrator
 from pdproxy.proxying.passthrough import Passthrough
 from pdproxy.proxying.render_once import RenderOnce
@@ -44,6 +47,7 @@ class _Core:
     metrics: ProxyMetrics
     connector: KVConnector
     outliers: OutlierDetector
+    lora: LoraClient
 
 
 def build_state(
@@ -52,14 +56,17 @@ def build_state(
     metrics_registry: CollectorRegistry,
     rng: random.Random,
 ) -> AppState:
+    registry = EndpointRegistry(clock)
+    client = EngineClient(
+        config.timeouts, config.pool, _bearer(config.engine_api_key), tls=config.engine_tls
+    )
     core = _Core(
-        registry=EndpointRegistry(clock),
-        client=EngineClient(
-            config.timeouts, config.pool, _bearer(config.engine_api_key), tls=config.engine_tls
-        ),
+        registry=registry,
+        client=client,
         metrics=ProxyMetrics(metrics_registry),
         connector=load_connector(config),
         outliers=OutlierDetector(config.outlier, clock),
+        lora=LoraClient(registry=registry, client=client),
     )
     health = HealthChecker(
         config.health, registry=core.registry, client=core.client, outliers=core.outliers
@@ -82,7 +89,7 @@ def build_state(
     )
     scheduler = _scheduler(config, core, clock, rng)
     budget = _retry_budget(config.retry, clock)  # fleet-wide: generation and pass-through
-    orchestrator = _orchestrator(config, core, release, scheduler, budget, rng)
+    orchestrator = _orchestrator(config, core, release, scheduler, budget, rng, clock)
     passthrough = _passthrough(config, core, scheduler, budget, rng)
     state = _app_state(config, core, orchestrator, passthrough, membership, health, release, clock)
     if config.render_once:
@@ -97,6 +104,7 @@ def _orchestrator(
     scheduler: Scheduler,
     budget: RetryBudget,
     rng: random.Random,
+    clock: Callable[[], float],
 ) -> Orchestrator:
     legs = Legs(
         connector=core.connector,
@@ -116,6 +124,30 @@ def _orchestrator(
         budget=budget,
         metrics=core.metrics,
         rng=rng,
+        lora=_lora_on_demand(config, core, scheduler, clock),
+    )
+
+
+def _lora_on_demand(
+    config: ProxyConfig, core: _Core, scheduler: Scheduler, clock: Callable[[], float]
+) -> LoraOnDemand | None:
+    if not config.lora.load_on_demand:
+        return None
+    headers = {"content-type": "application/json"}
+    if config.engine_api_key is not None:
+        headers["authorization"] = f"Bearer {config.engine_api_key}"
+    return LoraOnDemand(
+        config.lora,
+        registry=core.registry,
+        lora=core.lora,
+        scheduler=scheduler,
+        outliers=core.outliers,
+        headers=headers,
+        clock=clock,
+        spread_at=(
+            config.scheduling.balance_abs_threshold,
+            config.scheduling.balance_rel_threshold,
+        ),
     )
 
 
@@ -235,6 +267,10 @@ def _app_state(
             metrics=core.metrics,
             clock=clock,
         ),
+        models=ModelReader(
+            interval=config.health.models_interval, registry=core.registry, client=core.client
+        ),
+        lora=core.lora,
         passthrough=passthrough,
         clock=clock,
         admission=(Admission(config.admission, core.metrics) if config.admission.enabled else None),

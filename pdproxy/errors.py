@@ -10,6 +10,7 @@
     the cap (Retry-After) ├── Unauthorized          401   no or a wrong client API key
     ├── Overloaded            429   past --max-concurrent-requests and its queue (Retry-After)
     ├── LoopDetected          508   the request carries this pdproxy's own hop (Via)
+    ├── ModelNotFound         404   no instance serves the request's model (vLLM's 404)
     ├── NoEndpointAvailable   503   no routable prefill or decode instance
     │   └── ShuttingDown      503   the proxy is draining
     ├── UpstreamError               an engine leg failed
@@ -104,6 +105,17 @@ class LoopDetected(ProxyError):
 
     status = 508
     error_type = "LoopDetectedError"
+
+
+class ModelNotFound(ProxyError):
+    """No instance of the fleet serves the request's ``model``: vLLM's own 404, answered
+    without contacting an engine."""
+
+    status = 404
+    error_type = "NotFoundError"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.", param="model")
 
 
 class NoEndpointAvailable(ProxyError):

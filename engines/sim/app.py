@@ -15,6 +15,7 @@ from engines.sim.config import Faults, SimConfig
 from engines.sim.engine import Engine
 from engines.sim.errors import ApiError, RequestValidationError, error_body
 from engines.sim.http import Request
+from engines.sim.lora import ServedModels, parse_lora_modules
 from engines.sim.records import Recorder, RequestRecord
 
 JSON = "application/json"
@@ -32,6 +33,11 @@ class SimApp:
         self.config = config
         self.engine = engine
         self.recorder = Recorder(config.record_limit)
+        self.served = ServedModels(
+            (config.model, *config.served_models),
+            parse_lora_modules(config.lora_modules),
+            config.max_model_len,
+        )
         self.responses = responses.ResponseStore(config.responses_store)
         self.faults = config.faults
         self.faults_set_at = time.monotonic()
@@ -40,6 +46,8 @@ class SimApp:
             ("GET", "/health"): self.health,
             ("GET", "/ping"): self.health,
             ("GET", "/v1/models"): self.models,
+            ("POST", "/v1/load_lora_adapter"): self.load_lora,
+            ("POST", "/v1/unload_lora_adapter"): self.unload_lora,
             ("GET", "/metrics"): self.metrics,
             ("GET", "/version"): self.version,
             ("GET", "/sim/requests"): self.get_requests,
@@ -119,7 +127,9 @@ class SimApp:
             return None
         cfg = self.config
         kind = openai_api.KIND_BY_PATH[http.path]
-        gen = openai_api.parse(kind, body, http.headers, cfg.model, cfg.max_model_len, cfg.dp_size)
+        gen = openai_api.parse(
+            kind, body, http.headers, self.served, cfg.max_model_len, cfg.dp_size
+        )
         violation = contract_violation(cfg, gen)
         if violation:
             self.engine.counters.contract_violations += 1
@@ -197,17 +207,23 @@ class SimApp:
         return 200 if status is None else int(status)
 
     def models(self, req: Request) -> None:
-        card = {
-            "id": self.config.model,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "vllm",
-            "root": self.config.model,
-            "parent": None,
-            "max_model_len": self.config.max_model_len,
-            "permission": [],
-        }
-        req.conn.send(200, orjson.dumps({"object": "list", "data": [card]}))
+        cards = self.served.cards()
+        req.conn.send(200, orjson.dumps({"object": "list", "data": cards}))
+
+    def load_lora(self, req: Request) -> None:
+        self._lora(req, self.served.load)
+
+    def unload_lora(self, req: Request) -> None:
+        self._lora(req, self.served.unload)
+
+    def _lora(self, req: Request, change: Callable[[dict[str, Any]], str]) -> None:
+        """vLLM's runtime LoRA endpoints: a plain-text line on success, else its error."""
+        try:
+            line = change(openai_api.load_json(req.body))
+        except ApiError as exc:
+            req.conn.send(exc.status, exc.body())
+            return
+        req.conn.send(200, line.encode(), "text/plain; charset=utf-8")
 
     def metrics(self, req: Request) -> None:
         text = metrics.render(self.engine.counters, self.engine.gauges(), self.config.model)

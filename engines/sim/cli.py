@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host", default=d.host, help="Address the HTTP server binds to.")
     add("--port", type=int, default=8000, help="HTTP port; 0 picks a free port.")
     add("--model", default=d.model, help="Served model name.")
+    add("--served-models", nargs="*", default=[], help="More base models served besides --model.")
+    add("--lora-modules", nargs="*", default=[], help="NAME=PATH LoRA adapters loaded at start.")
     add("--max-model-len", type=int, default=d.max_model_len, help="Context length in tokens.")
     add(
         "--role",
@@ -283,6 +285,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     }
     if args.engine_id:
         kwargs["engine_id"] = args.engine_id
+    kwargs["served_models"] = tuple(args.served_models)
+    kwargs["lora_modules"] = tuple(args.lora_modules)
     return SimConfig(faults=faults, **kwargs)
 
 

@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engines.sim.lora import parse_lora_modules
+
 Role = Literal["prefill", "decode", "both"]
 ConnectorName = Literal["nixl", "example", "moriio", "p2p-nccl", "mooncake"]
 RegisterFormat = Literal["p2p", "moriio", "moriio-legacy"]
@@ -71,6 +73,8 @@ class SimConfig:
     host: str = "127.0.0.1"
     port: int = 0
     model: str = "sim-model"
+    served_models: tuple[str, ...] = ()  # more base models besides ``model``
+    lora_modules: tuple[str, ...] = ()  # NAME=PATH adapters loaded at start (vLLM's flag)
     max_model_len: int = 4096
     role: Role = "both"
     connector: ConnectorName = "nixl"
@@ -128,6 +132,7 @@ class SimConfig:
             raise ValueError("register_interval_s and kv_wait_timeout_s must be > 0")
         if self.connector == "example" and self.role != "both" and not self.kv_dir:
             raise ValueError("the example connector needs kv_dir")
+        parse_lora_modules(self.lora_modules)  # raises ValueError for a bad one
         self._validate_tls()
         self.faults.validate()
 

@@ -75,11 +75,11 @@ class Engine:
         c.prompt_tokens += n
         if loaded:
             external = min(len(loaded), n - 1)
-            kv = model.extend_kv(loaded[:external], tokens, external)
+            kv = model.extend_kv(loaded[:external], tokens, external, req.model)
             c.tokens_external_kv_transfer += external
             c.tokens_local_compute += n - external
             return Prefill(kv, _reported_cached(req, external), external, n - external)
-        kv = model.compute_kv(tokens)
+        kv = model.compute_kv(tokens, req.model)
         cached = self.prefix.match_and_insert(kv)
         c.prefix_cache_queries += n
         c.prefix_cache_hits += cached

@@ -19,14 +19,17 @@ _TYPES = {
 class ApiError(Exception):
     """An error answered to the client as vLLM's ErrorResponse."""
 
-    def __init__(self, status: int, message: str, err_type: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, err_type: str | None = None, *, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.err_type = err_type or _TYPES.get(status, "InternalServerError")
+        self.param = param
 
     def body(self) -> bytes:
-        return error_body(self.status, self.message, self.err_type)
+        return error_body(self.status, self.message, self.err_type, self.param)
 
 
 class RequestValidationError(ApiError):
@@ -40,11 +43,13 @@ class RequestValidationError(ApiError):
         super().__init__(400, message)
 
 
-def error_body(status: int, message: str, err_type: str | None = None) -> bytes:
+def error_body(
+    status: int, message: str, err_type: str | None = None, param: str | None = None
+) -> bytes:
     """`{"error": {"message", "type", "param", "code"}}` as vLLM's ErrorResponse."""
     kind = err_type or _TYPES.get(status, "InternalServerError")
     return orjson.dumps(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
     )
 
 

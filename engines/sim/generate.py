@@ -8,7 +8,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from engines.sim import render
+from engines.sim import model, render
 from engines.sim.config import Faults
 from engines.sim.engine import Engine, Prefill
 from engines.sim.errors import KVTransferError, error_body
@@ -156,7 +156,15 @@ async def _fetch(job: Job) -> list[bytes] | None:
         raise KVTransferError(
             f"KV load failed for request {req.internal_id} (kv_load_failure_policy=fail)"
         )
-    return await eng.connector.fetch(req)
+    loaded = await eng.connector.fetch(req)
+    tokens = req.prompt_tokens
+    if loaded and tokens and not model.kv_is_for(req.model, tokens[0], loaded[0]):
+        # Another model's (or adapter's) KV: vLLM would decode garbage from it, with no error.
+        eng.counters.kv_load_failures += 1
+        raise KVTransferError(
+            f"KV for request {req.internal_id} was not produced by model {req.model!r}"
+        )
+    return loaded
 
 
 def _fail_transfer(job: Job, message: str) -> None:

@@ -77,9 +77,30 @@ def _step(prev: bytes, tok: int) -> bytes:
     return hashlib.blake2b(prev + tok.to_bytes(4, "big"), digest_size=KV_BYTES_PER_TOKEN).digest()
 
 
-def extend_kv(kv: list[bytes], tokens: Sequence[int], start: int) -> list[bytes]:
-    """Compute KV entries for tokens[start:], chained after kv[start-1]; mutates and returns kv."""
-    prev = kv[start - 1] if start > 0 else _SEED
+DEFAULT_MODEL = "sim-model"
+
+
+@functools.lru_cache(maxsize=1024)
+def seed(served: str) -> bytes:
+    """The KV chain's start for one served model or adapter: each runs its own weights,
+    so the same prompt leaves different KV (and words) on each. The default model keeps
+    the original seed."""
+    if served == DEFAULT_MODEL:
+        return _SEED
+    return hashlib.blake2b(_SEED + served.encode(), digest_size=KV_BYTES_PER_TOKEN).digest()
+
+
+def kv_is_for(served: str, first_token: int, first_entry: bytes) -> bool:
+    """Whether a KV chain's first entry was computed by ``served``'s weights."""
+    return _step(seed(served), first_token) == first_entry
+
+
+def extend_kv(
+    kv: list[bytes], tokens: Sequence[int], start: int, served: str = DEFAULT_MODEL
+) -> list[bytes]:
+    """Compute KV entries for tokens[start:], chained after kv[start-1] (or ``served``'s
+    seed); mutates and returns kv."""
+    prev = kv[start - 1] if start > 0 else seed(served)
     del kv[start:]
     for tok in tokens[start:]:
         prev = _step(prev, tok)
@@ -87,8 +108,8 @@ def extend_kv(kv: list[bytes], tokens: Sequence[int], start: int) -> list[bytes]
     return kv
 
 
-def compute_kv(tokens: Sequence[int]) -> list[bytes]:
-    return extend_kv([], tokens, 0)
+def compute_kv(tokens: Sequence[int], served: str = DEFAULT_MODEL) -> list[bytes]:
+    return extend_kv([], tokens, 0, served)
 
 
 def decode_words(last_kv: bytes) -> Iterator[str]:

@@ -13,6 +13,7 @@ import pydantic
 
 from engines.sim import model
 from engines.sim.errors import ApiError, RequestValidationError
+from engines.sim.lora import ServedModels
 
 Kind = Literal["completion", "chat", "generate"]
 COMPLETIONS_PATH = "/v1/completions"
@@ -85,7 +86,7 @@ def parse(
     kind: Kind,
     body: dict[str, Any],
     headers: dict[str, str],
-    served_model: str,
+    served: ServedModels,
     max_model_len: int,
     dp_size: int,
 ) -> GenRequest:
@@ -97,9 +98,7 @@ def parse(
     if _lax(_BOOL, body.get("stream"), False) and _lax(_BOOL, body.get("use_beam_search"), False):
         # vLLM's handler checks this before the model name, tokenization and max_tokens
         raise ApiError(400, "Streaming is not currently supported with beam search")
-    name = body.get("model")
-    if name is not None and name != served_model:
-        raise ApiError(404, f"The model `{name}` does not exist.")
+    name = served.resolve(body.get("model"))  # vLLM's 404 when it serves no such model
     dp_rank = _dp_rank(headers, dp_size)
     tokens = _prompt_tokens(kind, body)
     options = _sampling_params(body) if kind == "generate" else body
@@ -118,7 +117,7 @@ def parse(
     return GenRequest(
         kind=kind,
         body=body,
-        model=served_model,
+        model=name,
         prompt_tokens=tokens,
         max_tokens=max_tokens(kind, options, len(tokens), max_model_len),
         stream=stream,

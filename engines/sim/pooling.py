@@ -151,8 +151,8 @@ HANDLERS: dict[str, Handler] = {
 
 def _check_model(body: dict[str, Any], cfg: SimConfig) -> None:
     name = body.get("model")
-    if name is not None and name != cfg.model:
-        raise ApiError(404, f"The model `{name}` does not exist.")
+    if name is not None and name != cfg.model and name not in cfg.served_models:
+        raise ApiError(404, f"The model `{name}` does not exist.", param="model")
 
 
 def _chat_text(messages: Any, body: dict[str, Any]) -> str:

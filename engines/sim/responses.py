@@ -85,8 +85,8 @@ def parse(
 ) -> Call:
     """Validate like vLLM; raises ApiError (404 for an unknown previous response)."""
     name = body.get("model")
-    if name is not None and name != cfg.model:
-        raise ApiError(404, f"The model `{name}` does not exist.")
+    if name is not None and name != cfg.model and name not in cfg.served_models:
+        raise ApiError(404, f"The model `{name}` does not exist.", param="model")
     messages = _conversation(body, store)
     tokens = model.tokenize(model.render_chat(messages))
     response_id = body.get("request_id") or f"resp_{uuid.uuid4().hex[:16]}"

@@ -87,7 +87,11 @@ def engine_command(
         json.dumps(kv_cfg, separators=(",", ":")),
         *extra_args,
     ]
-    return argv, _engine_env(settings, spec, connector, kv_cache_gib, nixl_prog_thread)
+    env = _engine_env(settings, spec, connector, kv_cache_gib, nixl_prog_thread)
+    if "--enable-lora" in extra_args:
+        # vLLM serves /v1/load_lora_adapter and /v1/unload_lora_adapter only with this set.
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    return argv, env
 
 
 def _server_argv(

@@ -25,7 +25,8 @@ from pdproxy.api.info import describe
 from pdproxy.api.state import AppState
 from pdproxy.config.addresses import format_url, kv_address_problem, parse_host_port
 from pdproxy.config.proxy import TRANSFER_MODES
-from pdproxy.errors import AdminError, ConfigError
+from pdproxy.errors import AdminError, ConfigError, UpstreamError
+from pdproxy.membership.instance_checks import served_models
 from pdproxy.types import EngineAddress, Role
 
 router = APIRouter(prefix="/instances")
@@ -85,10 +86,27 @@ async def add_instance(request: Request) -> Response:
         transfer_mode=_optional_mode(body),
         bootstrap_url=_bootstrap_url(body, host),
     )
+    await _check_stated_models(state, address.url, body.get("models"))
     link = state.owner_link  # --workers: the membership owner applies it
     endpoint = await (link or state.membership).add_admin(role, address)
     instance = describe(endpoint, state.outliers, now=state.clock())
     return json_response({"status": "added", "instance": instance})
+
+
+async def _check_stated_models(state: AppState, url: str, stated: object) -> None:
+    """The body's ``models`` (optional): the instance's ``/v1/models`` must list each one,
+    or the call is refused (400) before the instance is admitted."""
+    if stated is None:
+        return
+    if not isinstance(stated, list) or not all(isinstance(m, str) and m for m in stated):
+        raise AdminError(400, "'models' must be a list of model names")
+    try:
+        served = served_models(await state.client.get_json(url + "/v1/models"))
+    except (UpstreamError, ValueError) as exc:
+        raise AdminError(400, f"instance did not answer its probe: {exc}") from None
+    missing = sorted(set(stated) - set(served or ()))
+    if missing:
+        raise AdminError(400, f"the instance does not serve {missing}")
 
 
 @router.post("/remove")

@@ -15,6 +15,7 @@ from pdproxy.api.admin import router as admin_router
 from pdproxy.api.dashboard import Dashboard
 from pdproxy.api.errors import error_response
 from pdproxy.api.info import router as info_router
+from pdproxy.api.lora import router as lora_router
 from pdproxy.api.openai import GenerationEndpoint
 from pdproxy.api.passthrough import PassthroughEndpoint
 from pdproxy.api.state import AppState
@@ -56,6 +57,7 @@ def _mount(
             Route(path, passthrough_endpoint, methods=[passthrough_endpoint.route.method])
         )
     app.include_router(info_router)
+    app.include_router(lora_router)
     app.include_router(admin_router)
     if dashboard is not None:
         dashboard.mount(app)

@@ -26,7 +26,7 @@ from prometheus_client.samples import Sample
 
 import pdproxy
 from pdproxy.api.errors import json_response
-from pdproxy.api.info import describe
+from pdproxy.api.info import describe, model_pools
 from pdproxy.api.state import AppState
 from pdproxy.errors import Unauthorized
 from pdproxy.observability.fleet_view import (
@@ -117,6 +117,7 @@ class Dashboard:
                 instance_row(e, state.outliers, now, load_fresh=state.loads.fresh(e) is not None)
                 for e in endpoints
             ],
+            "models": model_pools(state),
             "window": figures_dict(self.window.figures(WINDOW)),
             "series": series_dict(self.window.series(SERIES_STEP), step=SERIES_STEP, span=HISTORY),
             "totals": totals_dict(totals),

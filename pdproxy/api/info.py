@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -40,7 +41,8 @@ async def ready(request: Request) -> Response:
     return json_response({"ready": ok, "reason": reason}, status=200 if ok else 503)
 
 
-def _authorize(state: AppState, request: Request) -> None:
+def authorize(state: AppState, request: Request) -> None:
+    """Raises ``Unauthorized`` without a client API key when keys are set."""
     if state.keys.enabled and not state.keys.allows(request.headers.get("authorization")):
         raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
 
@@ -58,6 +60,8 @@ async def status(request: Request) -> Response:
         "prefill_nodes": prefill,
         "decode_nodes": decode,
         "instances": [describe(e, state.outliers, now=now) for e in endpoints],
+        "models": model_pools(state),
+        "lora": dataclasses.asdict(state.lora.counts),
         "registry_backend": (
             {"backend": "in-process", "up": True}
             if state.registry_backend is None
@@ -68,6 +72,17 @@ async def status(request: Request) -> Response:
         spec = state.owner_link.spec
         body["worker"] = {"pid": os.getpid(), "index": spec.index, "workers": spec.count}
     return json_response(body)
+
+
+def model_pools(state: AppState) -> dict[str, dict[str, list[str]]]:
+    """Each served model's pool: the routable prefills and decodes that may take it."""
+    return {
+        model: {
+            "prefill": [e.address.host_port for e in pool.prefill],
+            "decode": [e.address.host_port for e in pool.decode],
+        }
+        for model, pool in state.registry.pools().by_model.items()
+    }
 
 
 def describe(
@@ -120,7 +135,7 @@ def _describe_load(load: EngineLoad | None, now: float | None) -> dict[str, Any]
 async def models(request: Request) -> Response:
     """The union of the models the instances serve; an instance that fails is skipped."""
     state = _state(request)
-    _authorize(state, request)
+    authorize(state, request)
     endpoints = [e for e in state.registry.all() if e.routable]
     answers = await asyncio.gather(*(_models_of(state, e) for e in endpoints))
     by_id: dict[str, dict[str, Any]] = {}
@@ -146,7 +161,7 @@ async def _models_of(state: AppState, endpoint: Endpoint) -> list[dict[str, Any]
 async def metrics(request: Request) -> Response:
     state = _state(request)
     if state.config.protect_metrics:
-        _authorize(state, request)
+        authorize(state, request)
     if state.worker_gauges is not None:  # --workers: this worker's part of the files
         state.worker_gauges.write()
     else:

@@ -15,6 +15,7 @@ from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.health import HealthChecker
 from pdproxy.membership.load_scraper import LoadScraper
 from pdproxy.membership.membership import Membership
+from pdproxy.membership.models import ModelReader
 from pdproxy.membership.workers.link import OwnerLink
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.multiproc import WorkerGauges
@@ -22,6 +23,7 @@ from pdproxy.observability.tracing import NullTracer, Tracer
 from pdproxy.proxying.admission import Admission
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.lifecycle import Lifecycle
+from pdproxy.proxying.lora import LoraClient
 from pdproxy.proxying.orchestrator import Orchestrator
 from pdproxy.proxying.passthrough import Passthrough
 from pdproxy.proxying.render_once import RenderOnce
@@ -43,6 +45,8 @@ class AppState:
     keys: ClientKeys
     lifecycle: Lifecycle
     loads: LoadScraper  # the engines' /metrics scrapes
+    models: ModelReader  # the engines' /v1/models re-reads
+    lora: LoraClient  # vLLM's runtime LoRA API on one instance
     passthrough: Passthrough  # the endpoints served by one decode (pdproxy.wire.routes)
     clock: Callable[[], float] = time.monotonic
     admission: Admission | None = None  # None: no --max-concurrent-requests

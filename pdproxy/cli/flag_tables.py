@@ -35,6 +35,18 @@ SCHEDULING_FLAGS = (
         convert=values.decode_policy,
     ),
     Flag(
+        names=("--model-policy",),
+        group=SCHEDULING,
+        help="A model's own policies, as MODEL=PREFILL[:DECODE] (the decode's defaults to the"
+        " prefill's); other models keep --prefill-policy and --decode-policy.",
+        field=_S + "model_policies",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="MODEL=POLICY",
+        convert=values.model_policies,
+    ),
+    Flag(
         names=("--session-header",),
         group=SCHEDULING,
         help="Header holding the consistent-hash session key (else the body's user field).",
@@ -172,6 +184,14 @@ RESILIENCE_FLAGS = (
         group=RESILIENCE,
         help="Seconds between scrapes of every instance's /metrics for its load (0: off).",
         field="health.engine_metrics_interval",
+        type=float,
+    ),
+    Flag(
+        names=("--models-refresh-secs",),
+        group=RESILIENCE,
+        help="Seconds between re-reads of every instance's /v1/models: the models and LoRA"
+        " adapters it serves, which decide the requests it takes (0: off).",
+        field="health.models_interval",
         type=float,
     ),
     Flag(

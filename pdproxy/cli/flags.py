@@ -145,6 +145,33 @@ FLEET_FLAGS = (
         field="model",
     ),
     Flag(
+        names=("--lora-modules",),
+        group=FLEET,
+        help="LoRA adapters pdproxy may load on the engines, as NAME=PATH (vLLM's spelling).",
+        field="lora.modules",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="NAME=PATH",
+        convert=values.lora_modules,
+    ),
+    Flag(
+        names=("--lora-load-on-demand",),
+        group=FLEET,
+        help="A request for a --lora-modules adapter no routable pair holds loads it on the"
+        " chosen prefill and decode first (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 engines).",
+        field="lora.load_on_demand",
+        action="store_true",
+    ),
+    Flag(
+        names=("--max-loras",),
+        group=FLEET,
+        help="Adapters pdproxy keeps loaded per instance; the least recently used one is"
+        " unloaded to make room (0: no limit).",
+        field="lora.max_loras",
+        type=int,
+    ),
+    Flag(
         names=("--transfer-mode",),
         group=FLEET,
         help="KV transfer mode all instances share (MoRIIO); by default the first one fixes it.",

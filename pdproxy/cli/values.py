@@ -8,8 +8,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from pdproxy.config.addresses import parse_engine_url
+from pdproxy.config.lora import parse_lora_modules
 from pdproxy.config.registry import parse_registry_backend
-from pdproxy.config.scheduling import DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY
+from pdproxy.config.scheduling import (
+    DEFAULT_DECODE_POLICY,
+    DEFAULT_PREFILL_POLICY,
+    parse_model_policies,
+)
 from pdproxy.errors import ConfigError
 from pdproxy.types import EngineAddress
 
@@ -105,3 +110,13 @@ def admin_key(args: argparse.Namespace) -> str | None:
             raise ConfigError("--admin-api-key-file is empty")
         return key
     return args.admin_api_key or None
+
+
+def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules NAME=PATH ...`` as (name, path) pairs."""
+    return parse_lora_modules(args.lora_modules or ())
+
+
+def model_policies(args: argparse.Namespace) -> tuple[tuple[str, str, str], ...]:
+    """``--model-policy MODEL=PREFILL[:DECODE] ...``."""
+    return parse_model_policies(tuple(args.model_policy or ()))

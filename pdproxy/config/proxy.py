@@ -12,6 +12,7 @@ from typing import Any
 
 from pdproxy.config.addresses import identity_host, listener_hosts, url_host_port
 from pdproxy.config.listener import AdmissionConfig, ClientLimits, ListenerTLS
+from pdproxy.config.lora import LoraConfig
 from pdproxy.config.registry import RegistryConfig
 from pdproxy.config.resilience import HealthConfig, OutlierConfig, RetryConfig
 from pdproxy.config.scheduling import SchedulingConfig
@@ -54,6 +55,7 @@ class ProxyConfig:
     decode: tuple[EngineAddress, ...] = ()
     kv_connector: str = "nixl"
     model: str | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
     transfer_mode: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     timeouts: Timeouts = field(default_factory=Timeouts)

@@ -63,10 +63,17 @@ class SchedulingConfig:
     cache_threshold: float = 0.3  # prefix-affinity: least share of blocks that counts
     balance_abs_threshold: float = 4.0
     balance_rel_threshold: float = 1.5
+    # (model, prefill policy, decode policy): a model's own policies (--model-policy)
+    model_policies: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_policy", canonical_policy(self.prefill_policy))
         object.__setattr__(self, "decode_policy", canonical_policy(self.decode_policy))
+        object.__setattr__(
+            self,
+            "model_policies",
+            tuple((m, canonical_policy(p), canonical_policy(d)) for m, p, d in self.model_policies),
+        )
         object.__setattr__(self, "session_header", self.session_header.strip().lower())
         if not self.session_header:
             raise ConfigError("--session-header must not be empty")
@@ -82,3 +89,16 @@ class SchedulingConfig:
             raise ConfigError(
                 "--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1"
             )
+
+
+def parse_model_policies(specs: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
+    """``MODEL=PREFILL[:DECODE]`` each (the decode's policy defaults to the prefill's);
+    raises ``ConfigError``."""
+    parsed = []
+    for spec in specs:
+        model, sep, policies = spec.partition("=")
+        prefill, _, decode = policies.partition(":")
+        if not sep or not model.strip() or not prefill.strip():
+            raise ConfigError(f"--model-policy: {spec!r} is not MODEL=PREFILL[:DECODE]")
+        parsed.append((model.strip(), prefill, decode or prefill))
+    return tuple(parsed)

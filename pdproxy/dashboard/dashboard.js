@@ -322,9 +322,19 @@
 
   // ---- polling ----
 
+  // Each served model's pool: a request for it is paired among these only.
+  function renderModels(models) {
+    const names = Object.keys(models || {});
+    const line = $("[data-models]");
+    line.hidden = names.length < 2;
+    line.textContent = "Models: " + names.map((m) =>
+      m + " (" + models[m].prefill.length + " P · " + models[m].decode.length + " D)").join(", ");
+  }
+
   function render(data) {
     renderHeader(data);
     renderKpis(data);
+    renderModels(data.models);
     renderRole("prefill", data.instances);
     renderRole("decode", data.instances);
   }

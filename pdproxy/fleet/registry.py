@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pdproxy.fleet.models import ModelPools, build_pools
 from pdproxy.types import Endpoint, EndpointState, Role, Snapshot
 
 
@@ -17,6 +18,7 @@ class EndpointRegistry:
         self._clock = clock
         self._by_url: dict[str, Endpoint] = {}
         self._snapshot: Snapshot | None = None
+        self._pools: ModelPools | None = None
         self._removal_listeners: list[Callable[[str], None]] = []
         self._change_listeners: list[Callable[[], None]] = []
 
@@ -89,12 +91,20 @@ class EndpointRegistry:
             )
         return self._snapshot
 
+    def pools(self) -> ModelPools:
+        """The snapshot's instances per served model; cached until the registry changes."""
+        if self._pools is None:
+            self._pools = build_pools(self.snapshot(), self._by_url.values())
+        return self._pools
+
     def invalidate(self) -> None:
-        """An endpoint's routability changed in place (its health): rebuild the snapshot."""
+        """An endpoint's routability or models changed in place (its health, a re-read of
+        its ``/v1/models``): rebuild the snapshot."""
         self._changed()
 
     def _changed(self) -> None:
         self._snapshot = None
+        self._pools = None
         for listener in self._change_listeners:
             listener()
 

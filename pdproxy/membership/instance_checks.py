@@ -1,7 +1,8 @@
 """The probes an instance passes before it is routable (``Membership``'s admission).
 
-With ``--model`` (and always for the admin API) ``GET /v1/models`` must answer vLLM's shape,
-``{"data": [{"id": ...}, ...]}``, and list that model; a Mooncake prefill's bootstrap
+``GET /v1/models`` must answer vLLM's shape, ``{"data": [{"id": ...}, ...]}`` (its models
+decide the requests it takes, ``pdproxy.fleet.models``), and list the ``--model`` if one is
+set; a Mooncake prefill's bootstrap
 ``/query`` must list its engine ids. An answer of another shape (``{"data": "abc"}``, a list,
 a body that is not JSON) is a refusal with its reason, never an exception.
 """
@@ -13,7 +14,7 @@ from typing import Any
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.connectors import KVConnector
 from pdproxy.errors import UpstreamError
-from pdproxy.types import Endpoint, Role
+from pdproxy.types import Endpoint, Role, Source
 from pdproxy.upstream.engine_client import EngineClient
 
 NOT_MODELS = 'its /v1/models answer is not {"data": [{"id": ...}, ...]}'
@@ -34,7 +35,9 @@ class InstanceChecks:
         """None when admissible; a reason when refused; "" when unreachable (retry later).
         Fills in ``endpoint.models`` and ``endpoint.engine_ids``."""
         try:
-            if self._model is not None or require_reachable:
+            # A static instance's models are read by ``ModelReader``'s first round; refusing
+            # one the command line named for its /v1/models is --model's business only.
+            if self._model is not None or require_reachable or endpoint.source is not Source.STATIC:
                 problem = await self._check_model(endpoint)
                 if problem:
                     return problem

@@ -322,7 +322,8 @@ class Membership:
             logger.info("transfer mode fixed to %s by %s", self.transfer_mode, endpoint.url)
 
     def _needs_probe(self, endpoint: Endpoint) -> bool:
-        model_check = self._config.model is not None and endpoint.source is not Source.STATIC
+        # Registered (and shared) instances: their models before they are routable.
+        model_check = endpoint.source is not Source.STATIC
         return (
             model_check or self._checks.bootstrap_url(endpoint) is not None or self._warmer.enabled
         )
@@ -388,4 +389,7 @@ class Membership:
                 e.health.ejected_until is not None,
             )
             for e in self._registry.all()
+        )
+        self._metrics.set_endpoint_models(
+            (e.role.value, e.url, e.models) for e in self._registry.all()
         )

@@ -17,6 +17,7 @@ class ProxyMetrics:
         self.registry = registry
         self._request_children: dict[tuple[str, str], Any] = {}
         self._endpoint_labels: set[tuple[str, str]] = set()
+        self._model_labels: set[tuple[str, str, str]] = set()
         self._latency_children: dict[str, tuple[Any, Any]] = {}
         self._leg_children: dict[tuple[str, str], Any] = {}
         self._failure_children: dict[tuple[str, str, str], Any] = {}
@@ -189,6 +190,13 @@ class ProxyMetrics:
             registry=registry,
             multiprocess_mode="livemax",  # ejected by any worker
         )
+        self.endpoint_model = Gauge(
+            "pdproxy_endpoint_model",
+            "1 for each model or LoRA adapter an instance serves (its /v1/models).",
+            ("role", "url", "model"),
+            registry=registry,
+            multiprocess_mode="livemax",
+        )
         self.engine_scrapes = Counter(
             "pdproxy_engine_scrapes_total",
             "Scrapes of the engines' /metrics for their load figures, by outcome (ok, error).",
@@ -298,6 +306,16 @@ class ProxyMetrics:
             self.endpoint_ejected.remove(*labels)
         self._endpoint_labels = seen
         self._forget_departed(seen)
+
+    def set_endpoint_models(self, rows: Iterable[tuple[str, str, tuple[str, ...]]]) -> None:
+        """``pdproxy_endpoint_model`` from ``(role, url, models)``; a model an instance no
+        longer serves (an adapter unloaded, an instance gone) loses its series."""
+        seen = {(role, url, model) for role, url, models in rows for model in models}
+        for labels in seen - self._model_labels:
+            self.endpoint_model.labels(*labels).set(1)
+        for labels in self._model_labels - seen:
+            self.endpoint_model.remove(*labels)
+        self._model_labels = seen
 
     def _forget_departed(self, present: set[tuple[str, str]]) -> None:
         """Drop the leg counters of instances no longer in the fleet."""

@@ -32,6 +32,7 @@ from pdproxy.observability.request_context import bind_request_id
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs
+from pdproxy.proxying.lora_demand import LoraOnDemand
 from pdproxy.proxying.retries import Retries, RetryRun
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget, retry_reason
@@ -97,8 +98,10 @@ class Orchestrator:
         budget: RetryBudget,
         metrics: ProxyMetrics,
         rng: random.Random,
+        lora: LoraOnDemand | None = None,
     ) -> None:
         self._registry = registry
+        self._lora = lora  # --lora-load-on-demand
         self._scheduler = scheduler
         self._connector = connector
         self._legs = legs
@@ -125,6 +128,8 @@ class Orchestrator:
         retries = self._retries.begin()
         run = _Run(self._scheduler.features(request.body, request.session), retries)
         try:
+            if self._lora is not None:
+                await self._lora.ensure(run.features)
             return await self._handle(request, run)
         finally:
             run.unreserve()
@@ -191,7 +196,7 @@ class Orchestrator:
         if retry_reason(failure) is None:
             return False
         tried = {transfer.decision.prefill.url, *run.tried.get(Role.PREFILL, ())}
-        return not self._usable(self._pool(Role.PREFILL), tried)
+        return not self._usable(self._pool(Role.PREFILL, run.features.model), tried)
 
     async def _decode_only(
         self, request: ClientRequest, run: _Run, decision: DecodeOnly
@@ -260,7 +265,8 @@ class Orchestrator:
             self._release.orphaned(request, transfer, answer, failed=failed)
 
     def _pick(self, run: _Run) -> PairDecision | DecodeOnly:
-        snapshot = self._registry.snapshot()
+        # The instances serving the request's model (one dict hit): its P and D agree.
+        snapshot = self._registry.pools().require(run.features.model)
         view = Snapshot(
             prefill=self._usable(snapshot.prefill, ()), decode=self._usable(snapshot.decode, ())
         )
@@ -270,8 +276,8 @@ class Orchestrator:
         self._retries.picked(run, decision.decode)
         return decision
 
-    def _pool(self, role: Role) -> tuple[Endpoint, ...]:
-        snapshot = self._registry.snapshot()
+    def _pool(self, role: Role, model: str | None) -> tuple[Endpoint, ...]:
+        snapshot = self._registry.pools().lookup(model)
         return snapshot.prefill if role is Role.PREFILL else snapshot.decode
 
     def _usable(self, pool: tuple[Endpoint, ...], avoid: Collection[str]) -> tuple[Endpoint, ...]:

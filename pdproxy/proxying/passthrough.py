@@ -93,7 +93,7 @@ class Passthrough:
         self._retries = Retries(
             scheduler=scheduler,
             outliers=outliers,
-            pool=lambda _role: self._pool(),
+            pool=lambda _role, _model: self._pool(),
             retry=retry,
             budget=budget,
             metrics=metrics,

@@ -53,7 +53,7 @@ class Retries:
         *,
         scheduler: Scheduler,
         outliers: OutlierDetector,
-        pool: Callable[[Role], tuple[Endpoint, ...]],
+        pool: Callable[[Role, str | None], tuple[Endpoint, ...]],
         retry: RetryConfig,
         budget: RetryBudget,
         metrics: ProxyMetrics,
@@ -61,7 +61,7 @@ class Retries:
     ) -> None:
         self._scheduler = scheduler
         self._outliers = outliers
-        self._pool = pool  # the instances a role's retries choose among
+        self._pool = pool  # the instances of a role (serving a model) retries choose among
         self._max_retries = retry.max_retries
         self._backoff = Backoff(
             retry.initial_backoff, retry.max_backoff, retry.backoff_multiplier, retry.jitter
@@ -140,14 +140,15 @@ class Retries:
 
     async def _another(self, run: RetryRun, role: Role) -> Pick:
         """An instance of ``role`` this request has not tried yet, and its DP rank."""
-        candidates = self._outliers.usable(self._pool(role), run.tried[role])
+        model = run.features.model
+        candidates = self._outliers.usable(self._pool(role, model), run.tried[role])
         if not candidates:
             # Every instance of the role was tried: back off, then anyone but the last
             # to fail (or it, if it is the only one).
             await asyncio.sleep(self._backoff.delay(run.rounds, self._rng))
             run.rounds += 1
             run.tried[role].clear()
-            pool = self._pool(role)
+            pool = self._pool(role, model)
             usable = self._outliers.usable
             candidates = usable(pool, {run.last_failed[role]}) or usable(pool, ())
         return self.pick(run, role, candidates)

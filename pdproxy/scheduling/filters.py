@@ -17,19 +17,23 @@ class ModelFilter:
     When none does, all stay: the engine's own 404 is the right answer, not a 503."""
 
     type_name = "model-filter"
+    _MAX_REMEMBERED = 1024
 
     def __init__(self) -> None:
-        self._single_model: tuple[Sequence[EndpointView], str] | None = None
+        # model -> the last candidates that all served it (the orchestrator's per-model
+        # pools do: one identity check per decision, whichever models alternate)
+        self._all_serve: dict[str, Sequence[EndpointView]] = {}
 
     def filter(self, ctx: Context, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         model = ctx.features.model
         if model is None:
             return endpoints
-        known = self._single_model  # the last snapshot, when it served this model alone
-        if known is not None and known[0] is endpoints and known[1] == model:
+        if self._all_serve.get(model) is endpoints:
             return endpoints
         if all(not e.models or model in e.models for e in endpoints):
-            self._single_model = (endpoints, model)
+            if len(self._all_serve) >= self._MAX_REMEMBERED:
+                self._all_serve.clear()
+            self._all_serve[model] = endpoints
             return endpoints
         kept = [e for e in endpoints if not e.models or model in e.models]
         return kept or endpoints

@@ -18,7 +18,7 @@ from pdproxy.scheduling import Decider
 from pdproxy.scheduling.context import Context, RequestFeatures
 from pdproxy.scheduling.deciders import AlwaysDisaggregate, PromptSizeDecider
 from pdproxy.scheduling.features import FeatureConfig, extract
-from pdproxy.scheduling.policies import build_policy
+from pdproxy.scheduling.policies import RolePolicy, build_policy
 from pdproxy.scheduling.ranks import RankChooser
 from pdproxy.scheduling.scorers import prefix_matches
 from pdproxy.scheduling.speed import SpeedTracker
@@ -44,6 +44,11 @@ class Scheduler:
         self._decode_alone = decode_alone
         self.prefill = build_policy(config.prefill_policy, config, rng)
         self.decode = build_policy(config.decode_policy, config, rng)
+        # --model-policy: a model's own pair of policies (one dict hit when any is set)
+        self._by_model = {
+            model: (build_policy(p, config, rng), build_policy(d, config, rng))
+            for model, p, d in config.model_policies
+        }
         self._decider: Decider = (
             PromptSizeDecider(config.pd_threshold_tokens)
             if config.pd_threshold_tokens > 0
@@ -51,7 +56,9 @@ class Scheduler:
         )
         self.decode_only_fallback = config.decode_only_fallback
         self._features = FeatureConfig(config.chars_per_token, config.prefix_block_chars)
-        self._want_blocks = self.prefill.index is not None or self.decode.index is not None
+        self._want_blocks = any(
+            policy.index is not None for pair in self._pairs() for policy in pair
+        )
         self._clock = clock
         self._max_age = max_age
         self._ranks = {Role.PREFILL: RankChooser(), Role.DECODE: RankChooser()}
@@ -63,7 +70,7 @@ class Scheduler:
     def schedule(self, features: RequestFeatures, snapshot: Snapshot) -> PairDecision | DecodeOnly:
         """A prefill and a decode, or a decode alone; raises ``NoEndpointAvailable``."""
         if not snapshot.decode:
-            raise NoEndpointAvailable("no decode instance is available")
+            raise NoEndpointAvailable(f"no decode instance{_serving(features)} is available")
         ctx = Context(features, self._clock(), self._max_age)
         if features.one_leg is not None:  # vLLM cannot split it across two legs
             if not self._decode_alone:
@@ -76,12 +83,13 @@ class Scheduler:
             return self._decode_only(ctx, snapshot.decode, features.one_leg)
         if not snapshot.prefill:
             if not self.decode_only_fallback:
-                raise NoEndpointAvailable("no prefill instance is available")
+                raise NoEndpointAvailable(f"no prefill instance{_serving(features)} is available")
             return self._decode_only(ctx, snapshot.decode, NO_PREFILL)
-        if not self._decider.disaggregate(ctx, self._cached_tokens(ctx)):
+        prefill_policy, decode_policy = self._policies(features)
+        if not self._decider.disaggregate(ctx, self._cached_tokens(ctx, prefill_policy)):
             return self._decode_only(ctx, snapshot.decode, SHORT_PROMPT)
-        prefill = _owned(self.prefill.choose(ctx, snapshot.prefill))
-        decode = _owned(self.decode.choose(ctx, snapshot.decode))
+        prefill = _owned(prefill_policy.choose(ctx, snapshot.prefill))
+        decode = _owned(decode_policy.choose(ctx, snapshot.decode))
         return PairDecision(
             prefill,
             decode,
@@ -94,24 +102,37 @@ class Scheduler:
     ) -> tuple[Endpoint, int | None]:
         """Another instance of ``role`` (and its DP rank) for a retry."""
         if not candidates:
-            raise NoEndpointAvailable(f"no {role.value} instance is available")
+            raise NoEndpointAvailable(f"no {role.value} instance{_serving(features)} is available")
         ctx = Context(features, self._clock(), self._max_age)
-        policy = self.prefill if role is Role.PREFILL else self.decode
+        policies = self._policies(features)
+        policy = policies[0] if role is Role.PREFILL else policies[1]
         chosen = _owned(policy.choose(ctx, candidates))
         return chosen, self._ranks[role].choose(ctx, chosen)
 
     def forget(self, url: str) -> None:
         """An instance left the fleet: drop it from the prefix indexes."""
-        for policy in (self.prefill, self.decode):
-            if policy.index is not None:
-                policy.index.forget(url)
+        for pair in self._pairs():
+            for policy in pair:
+                if policy.index is not None:
+                    policy.index.forget(url)
+
+    def _policies(self, features: RequestFeatures) -> tuple[RolePolicy, RolePolicy]:
+        """The request's model's own policies (``--model-policy``), else the fleet's."""
+        if self._by_model and features.model is not None:
+            own = self._by_model.get(features.model)
+            if own is not None:
+                return own
+        return self.prefill, self.decode
+
+    def _pairs(self) -> list[tuple[RolePolicy, RolePolicy]]:
+        return [(self.prefill, self.decode), *self._by_model.values()]
 
     def _decode_only(self, ctx: Context, decodes: Sequence[Endpoint], reason: str) -> DecodeOnly:
-        decode = _owned(self.decode.choose(ctx, decodes))
+        decode = _owned(self._policies(ctx.features)[1].choose(ctx, decodes))
         return DecodeOnly(decode, reason, self._ranks[Role.DECODE].choose(ctx, decode))
 
-    def _cached_tokens(self, ctx: Context) -> float:
-        index = self.prefill.index
+    def _cached_tokens(self, ctx: Context, prefill: RolePolicy) -> float:
+        index = prefill.index
         blocks = ctx.features.blocks
         if index is None or not blocks or isinstance(self._decider, AlwaysDisaggregate):
             return 0.0
@@ -120,6 +141,11 @@ class Scheduler:
             return 0.0
         share = max(depths.values()) / len(blocks)
         return ctx.features.tokens * share
+
+
+def _serving(features: RequestFeatures) -> str:
+    """What a 503 names: the model no routable instance serves, when the request named one."""
+    return "" if features.model is None else f" serving model {features.model!r}"
 
 
 def _owned(chosen: EndpointView) -> Endpoint:

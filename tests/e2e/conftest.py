@@ -30,6 +30,10 @@ SHARED_FLAGS = ("--enable-scale-out", "--enable-prompt-tokens-details")
 # instead of {"content": ""}), which pdproxy's own rendering (--render-once) does not mimic:
 # so it is a pair of its own, for the modules that send tools.
 TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
+# LoRA adapters loaded at run time (test_real_lora.py; the launcher sets
+# VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 with it). A request that names no adapter is served by
+# the base weights alone, as without the flag.
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8")
 
 
 class SharedPair:
@@ -69,7 +73,7 @@ def _tiny_nixl_shared() -> Iterator[SharedPair]:
 
 @pytest.fixture(scope="session")
 def _smollm2_nixl_shared() -> Iterator[SharedPair]:
-    shared = SharedPair(connector="nixl", model=SMOLLM2, extra_args=SHARED_FLAGS)
+    shared = SharedPair(connector="nixl", model=SMOLLM2, extra_args=SHARED_FLAGS + LORA_FLAGS)
     yield shared
     shared.close()
 

@@ -214,8 +214,8 @@ async def test_own_hop_is_refused_508_before_any_leg():
             session.post(proxy.url + "/v1/completions", json=body, headers=two_lines) as r,
         ):
             assert r.status == 508
-        # no leg was sent (the sims saw only pdproxy's health checks and load scrapes)
-        assert {r.path for r in (*p.requests, *d.requests)} <= {"/health", "/metrics"}
+        # no leg was sent (the sims saw only pdproxy's health checks, load scrapes, model reads)
+        assert {r.path for r in (*p.requests, *d.requests)} <= {"/health", "/metrics", "/v1/models"}
         # Another pdproxy's hop is a chain of proxies: served, and forwarded with ours.
         status, _ = await complete(proxy, Via="1.1 pdproxy-0000000000000000")
         assert status == 200

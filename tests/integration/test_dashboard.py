@@ -82,7 +82,7 @@ async def test_data_lists_every_instance_with_its_state():
         d = await data(s, f.proxy.url)
 
         assert d["schema"] == 1
-        assert set(d) == {"schema", "proxy", "instances", "window", "series", "totals"}
+        assert set(d) == {"schema", "proxy", "instances", "window", "series", "totals", "models"}
         assert d["proxy"]["ready"] is True and d["proxy"]["kv_connector"] == "nixl"
         assert d["proxy"]["in_flight"] == 0 and d["proxy"]["uptime_seconds"] >= 0
         instances = d["instances"]

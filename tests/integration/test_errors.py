@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from pdproxy.config.upstream import Timeouts
+from pdproxy.scheduling.context import RequestFeatures
 from tests.integration.conftest import MODEL, deployment
 
 BODY = {"model": MODEL, "prompt": "tell me about the weather in spring", "max_tokens": 40}
@@ -185,7 +186,7 @@ async def test_client_disconnect_during_prefill_closes_prefill_and_skips_decode(
 
 class _BrokenScheduler:
     def features(self, body, session):
-        return None
+        return RequestFeatures()
 
     def schedule(self, features, snapshot):
         raise RuntimeError("internal detail that must not leak")

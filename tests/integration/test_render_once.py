@@ -92,7 +92,11 @@ async def test_render_once_answers_the_text_paths_bytes(path, stream, usage):
     async with _render_once() as d:
         status, got = await _post(d.proxy.url, path, body)
         assert status == 200, got
-        served = [r.path for r in d.decodes[0].requests if r.path not in ("/health", "/metrics")]
+        served = [
+            r.path
+            for r in d.decodes[0].requests
+            if r.path not in ("/health", "/metrics", "/v1/models")
+        ]
         (p_leg,) = d.prefills[0].generation_requests()
         (d_leg,) = _generate_legs(d.decodes[0])
     assert _sans_created(got) == _sans_created(expected)
@@ -187,7 +191,7 @@ async def test_render_servers_render_and_the_decodes_only_generate(stream):
             status, raw = await _post(proxy.url, CHAT, _body(CHAT, f"chat {i}", stream=stream))
             assert status == 200, raw
         assert [len(r.requests) for r in renderers] == [1, 1]  # spread over the pool
-        served = {r.path for r in d.decodes[0].requests} - {"/health", "/metrics"}
+        served = {r.path for r in d.decodes[0].requests} - {"/health", "/metrics", "/v1/models"}
         assert served == {GENERATE, COMPLETIONS}
         # the one completion: the decode's system_fingerprint, asked once
         assert len([r for r in d.decodes[0].requests if r.path == COMPLETIONS]) == 1

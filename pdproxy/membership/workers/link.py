@@ -223,6 +223,7 @@ class OwnerLink:
                 endpoint.reidentify(
                     source=record.source, models=record.models, engine_ids=record.engine_ids
                 )
+                self._registry.invalidate()  # its models decide which pools it is in
             endpoint.presence.last_seen = record.last_seen
             if endpoint.state is not record.state:
                 self._registry.set_state(endpoint.url, record.state)

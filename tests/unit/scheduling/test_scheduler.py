@@ -93,3 +93,17 @@ def test_a_request_vllm_cannot_split_is_400_where_no_decode_may_serve_alone():
     s._decode_alone = False
     with pytest.raises(BadRequest, match="cannot serve parallel sampling"):
         s.schedule(RequestFeatures(one_leg="parallel_sampling"), fleet(2, 2))
+
+
+def test_a_model_policy_overrides_the_fleets_for_that_model_only():
+    s = scheduler(
+        prefill_policy="round-robin",
+        decode_policy="round-robin",
+        model_policies=(("sticky", "consistent_hash", "consistent-hash"),),
+    )
+    snapshot = fleet(4, 4)
+    sticky = RequestFeatures(model="sticky", session="user-7")
+    assert len({s.schedule(sticky, snapshot).decode.url for _ in range(8)}) == 1
+    other = RequestFeatures(model="other", session="user-7")
+    assert len({s.schedule(other, snapshot).decode.url for _ in range(8)}) == 4
+    assert s.pick(Role.DECODE, sticky, snapshot.decode)[0] is s.schedule(sticky, snapshot).decode
