@@ -7,7 +7,9 @@ least-loaded        fewest requests in flight (proxy legs, or the engine's queue
 power-of-two        two at random, the less loaded
 consistent-hash     the session key's owner on a hash ring; least-loaded without a key
 prefix-affinity     the instance holding the longest prefix of the prompt, among those
-                    not overloaded; least-loaded on a tie (vllm-router's cache_aware)
+                    not overloaded; least-loaded on a tie; a prompt matching nowhere to
+                    the least recently filled of the least loaded (vllm-router's
+                    cache_aware)
 kv-aware            most free KV cache and fewest requests (the engines' /metrics)
 ==================  ===============================================================
 """
@@ -29,6 +31,7 @@ from pdproxy.scheduling.pickers import (
     PowerOfTwoPicker,
     RandomPicker,
     RoundRobinPicker,
+    SpreadNew,
 )
 from pdproxy.scheduling.prefix_index import PrefixIndex
 from pdproxy.scheduling.scorers import KVUsageScorer, LoadScorer, PrefixScorer
@@ -99,8 +102,9 @@ def _consistent_hash(config: SchedulingConfig, rng: random.Random) -> RolePolicy
 def _prefix_affinity(config: SchedulingConfig, rng: random.Random) -> RolePolicy:
     index = PrefixIndex(config.prefix_index_max_blocks)
     overload = OverloadFilter(config.balance_abs_threshold, config.balance_rel_threshold)
-    # The longest match wins; the load breaks ties (no match at all, or equal ones).
-    picker = MaxScorePicker(rng, by_load=True)
+    # The longest match wins; the load breaks ties between equal matches, and a prompt
+    # that matches nowhere fills the caches in turn (``SpreadNew``).
+    picker = MaxScorePicker(rng, by_load=True, spread=SpreadNew(rng))
     scorers = ((PrefixScorer(index, config.cache_threshold), 1.0),)
     return RolePolicy("prefix-affinity", (ModelFilter(), overload), scorers, picker, index)
 
