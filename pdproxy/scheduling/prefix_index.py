@@ -74,6 +74,24 @@ class PrefixIndex:
         while len(entries) > self.max_blocks:
             entries.popitem(last=False)
 
+    def remove(self, blocks: Iterable[int], url: str) -> None:
+        """``url`` no longer holds ``blocks`` (its engine evicted them); an entry nobody
+        holds goes."""
+        bit = self._bits.get(url)
+        if bit is None:
+            return
+        keep = ~(1 << bit)
+        entries = self._entries
+        for block in blocks:
+            mask = entries.get(block)
+            if mask is None:
+                continue
+            mask &= keep
+            if mask:
+                entries[block] = mask
+            else:
+                del entries[block]
+
     def forget(self, url: str) -> None:
         """``url`` left the fleet: clear it everywhere and free its bit."""
         bit = self._bits.pop(url, None)
