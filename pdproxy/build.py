@@ -17,6 +17,7 @@ from pdproxy.connectors import KVConnector, load_connector
 from pdproxy.errors import ConfigError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.health import HealthChecker
+from pdproxy.membership.kv_fleet import KVEventFleet
 from pdproxy.membership.load_scraper import LoadScraper
 from pdproxy.membership.membership import Membership
 from pdproxy.observability.metrics import ProxyMetrics
@@ -87,6 +88,8 @@ def build_state(
     state = _app_state(config, core, orchestrator, passthrough, membership, health, release, clock)
     if config.render_once:
         state.render_once = _render_once(config, core, orchestrator, scheduler, budget, rng, clock)
+    if config.scheduling.kv_events_endpoint is not None:
+        state.kv_events = KVEventFleet(config.scheduling, core.registry, scheduler.kv_index)
     return state
 
 

@@ -96,6 +96,26 @@ SCHEDULING_FLAGS = (
         field=_S + "balance_rel_threshold",
         type=float,
     ),
+    Flag(
+        names=("--kv-events-endpoint",),
+        group=SCHEDULING,
+        help="Each engine's vLLM KV-events publisher, e.g. tcp://{host}:5557 ({host}, {port}, "
+        "{dp_rank}; the port is offset by the DP rank without {dp_rank}); the kv-events policy "
+        "reads them.",
+        field=_S + "kv_events_endpoint",
+    ),
+    Flag(
+        names=("--kv-events-replay-endpoint",),
+        group=SCHEDULING,
+        help="Each engine's KV-events replay socket, e.g. tcp://{host}:5558 (same fields).",
+        field=_S + "kv_events_replay_endpoint",
+    ),
+    Flag(
+        names=("--kv-events-topic",),
+        group=SCHEDULING,
+        help="The engines' KV-events topic (vLLM's kv_events_config topic).",
+        field=_S + "kv_events_topic",
+    ),
 )
 
 

@@ -16,6 +16,7 @@ PolicyName = Literal[
     "consistent-hash",
     "prefix-affinity",
     "kv-aware",
+    "kv-events",
 ]
 POLICIES: tuple[PolicyName, ...] = (
     "round-robin",
@@ -25,6 +26,7 @@ POLICIES: tuple[PolicyName, ...] = (
     "consistent-hash",
     "prefix-affinity",
     "kv-aware",
+    "kv-events",
 )
 # Other routers' names for the same policies, so their users switch by changing the binary.
 POLICY_ALIASES: dict[str, PolicyName] = {
@@ -32,6 +34,7 @@ POLICY_ALIASES: dict[str, PolicyName] = {
     "prefix-hash": "prefix-affinity",  # SMG
     "consistent-hashing": "consistent-hash",  # SMG
     "least-load": "least-loaded",
+    "precise-prefix-cache": "kv-events",  # llm-d's precise prefix-cache scorer
 }
 # Chosen by `make bench-sched` (docs/benchmarks.md): see the README's policy guide.
 DEFAULT_PREFILL_POLICY: PolicyName = "prefix-affinity"
@@ -63,6 +66,11 @@ class SchedulingConfig:
     cache_threshold: float = 0.3  # prefix-affinity: least share of blocks that counts
     balance_abs_threshold: float = 4.0
     balance_rel_threshold: float = 1.5
+    # where each engine rank publishes its KV events: a template of {host}, {port} (the
+    # instance's) and {dp_rank}; without {dp_rank} the port is offset by the rank, as vLLM does
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_policy", canonical_policy(self.prefill_policy))
@@ -78,6 +86,11 @@ class SchedulingConfig:
             raise ConfigError("--prefix-block-chars and --prefix-index-max-blocks must be >= 1")
         if not 0 <= self.cache_threshold <= 1:
             raise ConfigError("--cache-threshold must be in [0, 1]")
+        for template in (self.kv_events_endpoint, self.kv_events_replay_endpoint):
+            if template is not None and not template.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"a KV events endpoint is tcp:// or ipc://, not {template!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ConfigError(
                 "--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1"

@@ -79,12 +79,18 @@ class KVEventSubscriber:
             sock.setsockopt(zmq.SUBSCRIBE, self._topic)
             sock.connect(self.endpoint)
             await self._replay(0)  # what the engine already holds, as far as its buffer goes
+            self._index.live.add(self.instance)
             self.ready.set()
             while True:
                 frames = await sock.recv_multipart(copy=True)
-                await self._on_live(frames)
+                try:
+                    await self._on_live(frames)
+                except Exception:  # never stop following: the next batch may be sound
+                    self.stats.malformed += 1
+                    logger.exception("KV events of %s: batch not applied", self.instance)
         finally:
             sock.close(linger=0)
+            self._index.live.discard(self.instance)
             self._index.clear(self.instance)
 
     async def _on_live(self, frames: list[bytes]) -> None:

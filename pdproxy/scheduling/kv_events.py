@@ -136,6 +136,11 @@ def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def instance_name(url: str, rank: int) -> str:
+    """An engine rank's name in ``KVIndex`` (each data-parallel rank has its own cache)."""
+    return f"{url}|{rank}"
+
+
 def root_key(lora_name: str | None, first_extra: tuple[Any, ...]) -> int:
     """The key a prompt's first block chains to: its LoRA and cache salt."""
     return hash(("pdproxy-kv-root", lora_name, first_extra))
@@ -171,6 +176,9 @@ class KVIndex:
 
     def __init__(self, max_blocks: int) -> None:
         self.prefixes = PrefixIndex(max_blocks)
+        # instances (``instance_name``) whose events are followed and fresh: only these are
+        # scored from this index; the others by the approximate one
+        self.live: set[str] = set()
         self.max_blocks = max_blocks
         self.block_size = 0  # learned from the first BlockStored
         self._keys: dict[str, dict[Hashable, int]] = {}  # url -> engine hash -> own key

@@ -18,6 +18,7 @@ from pdproxy.scheduling import Decider
 from pdproxy.scheduling.context import Context, RequestFeatures
 from pdproxy.scheduling.deciders import AlwaysDisaggregate, PromptSizeDecider
 from pdproxy.scheduling.features import FeatureConfig, extract
+from pdproxy.scheduling.kv_events import KVIndex
 from pdproxy.scheduling.policies import build_policy
 from pdproxy.scheduling.ranks import RankChooser
 from pdproxy.scheduling.scorers import prefix_matches
@@ -25,6 +26,7 @@ from pdproxy.scheduling.speed import SpeedTracker
 from pdproxy.scheduling.view import EndpointView
 from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
 
+KV_EVENTS = "kv-events"
 SHORT_PROMPT = "short_prompt"
 NO_PREFILL = "no_prefill"
 
@@ -42,8 +44,11 @@ class Scheduler:
         # False (P2P-NCCL: a decode always waits for its prefill's KV): a request vLLM
         # cannot split is refused (400) rather than sent to a decode that would fail it.
         self._decode_alone = decode_alone
-        self.prefill = build_policy(config.prefill_policy, config, rng)
-        self.decode = build_policy(config.decode_policy, config, rng)
+        # The fleet's KV-event index: fed by the subscribers, read by ``kv-events``.
+        self.kv_index = KVIndex(config.prefix_index_max_blocks)
+        self.prefill = build_policy(config.prefill_policy, config, rng, self.kv_index)
+        self.decode = build_policy(config.decode_policy, config, rng, self.kv_index)
+        self.kv_events = KV_EVENTS in (config.prefill_policy, config.decode_policy)
         self._decider: Decider = (
             PromptSizeDecider(config.pd_threshold_tokens)
             if config.pd_threshold_tokens > 0
@@ -58,7 +63,13 @@ class Scheduler:
         self.speeds = SpeedTracker()  # fed by the orchestrator with each prefill leg's time
 
     def features(self, body: Mapping[str, Any], session: str | None) -> RequestFeatures:
-        return extract(body, session, self._features, want_blocks=self._want_blocks)
+        return extract(
+            body,
+            session,
+            self._features,
+            want_blocks=self._want_blocks,
+            want_token_ids=self.kv_events,
+        )
 
     def schedule(self, features: RequestFeatures, snapshot: Snapshot) -> PairDecision | DecodeOnly:
         """A prefill and a decode, or a decode alone; raises ``NoEndpointAvailable``."""
