@@ -132,6 +132,7 @@ class KVEventFleet:
                     "gaps": r.subscriber.sequence.gaps,
                     "restarts": r.subscriber.sequence.restarts,
                     "replays": r.subscriber.stats.replays,
+                    "reconnects": r.subscriber.stats.reconnects,
                 }
                 for name, r in self._running.items()
             },

@@ -4,7 +4,8 @@ On the event loop (``zmq.asyncio``, no threads). A SUB socket on the engine's pu
 with its topic; on start, and whenever the sequence says so (``scheduling.kv_sequence``),
 a DEALER asks the replay socket (a ROUTER) for the batches from a number on: it answers
 ``(b"", topic, seq, payload)`` for each buffered batch from there, then
-``(b"", b"", -1, b"")``. Without a replay endpoint, or when the replay does not answer
+``(b"", b"", -1, b"")``. A publisher that disconnects and comes back is rebuilt from its
+replay (``_on_connection``). Without a replay endpoint, or when the replay does not answer
 within ``replay_timeout``, the subscriber goes on from what it hears live.
 
 A malformed message (a frame count other than 3, a sequence number that is not 8 bytes, a
@@ -24,6 +25,7 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pdproxy.scheduling.kv_events import KVIndex, MalformedEvents, decode_batch
 from pdproxy.scheduling.kv_sequence import Action, SequenceTracker
@@ -41,6 +43,7 @@ class SubscriberStats:
     malformed: int = 0
     replays: int = 0
     replay_failures: int = 0
+    reconnects: int = 0
     last_batch_at: float | None = None  # monotonic, for staleness
 
 
@@ -69,12 +72,17 @@ class KVEventSubscriber:
         self.sequence = SequenceTracker()
         self.stats = SubscriberStats()
         self.ready = asyncio.Event()  # subscribed and the first replay done
+        self._disconnected = False
 
     async def run(self) -> None:
         sock = self._context.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, _RECV_HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, _MAX_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             sock.setsockopt(zmq.SUBSCRIBE, self._topic)
             sock.connect(self.endpoint)
@@ -82,16 +90,40 @@ class KVEventSubscriber:
             self._index.live.add(self.instance)
             self.ready.set()
             while True:
-                frames = await sock.recv_multipart(copy=True)
-                try:
-                    await self._on_live(frames)
-                except Exception:  # never stop following: the next batch may be sound
-                    self.stats.malformed += 1
-                    logger.exception("KV events of %s: batch not applied", self.instance)
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await self._on_connection(await monitor.recv_multipart())
+                if sock in ready:
+                    await self._on_frames(await sock.recv_multipart(copy=True))
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
             self._index.live.discard(self.instance)
             self._index.clear(self.instance)
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        try:
+            await self._on_live(frames)
+        except Exception:  # never stop following: the next batch may be sound
+            self.stats.malformed += 1
+            logger.exception("KV events of %s: batch not applied", self.instance)
+
+    async def _on_connection(self, message: list[bytes]) -> None:
+        """A publisher that went away and came back (a restarted engine, or the network):
+        nothing says what it published meanwhile, nor whether it is the same process, so
+        its entries are rebuilt from its replay buffer (vLLM numbers a new process from 0,
+        and a lost first batch would leave the restart unseen)."""
+        event = parse_monitor_message(message)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self._disconnected = True
+        elif event == zmq.EVENT_CONNECTED and self._disconnected:
+            self._disconnected = False
+            self.stats.reconnects += 1
+            logger.info("KV events of %s: publisher back, rebuilding", self.instance)
+            self._index.clear(self.instance)
+            self.sequence.reset()
+            await self._replay(0)
 
     async def _on_live(self, frames: list[bytes]) -> None:
         parsed = self._parse(frames)
