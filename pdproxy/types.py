@@ -315,6 +315,9 @@ class PairDecision:
     decode: Endpoint
     prefill_dp_rank: int | None = None
     decode_dp_rank: int | None = None  # sent to D only where the connector allows it
+    # kv-events: the prompt tokens each engine's events say it holds (None: not followed)
+    prefill_cached: int | None = None
+    decode_cached: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

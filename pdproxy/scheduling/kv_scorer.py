@@ -32,20 +32,23 @@ class KVEventsScorer:
 
     def score(self, ctx: Context, endpoints: Sequence[EndpointView]) -> list[float]:
         ids = ctx.features.token_ids
-        live = self.index.live
-        if ids is None or not live or self.index.block_size < 1:
+        index = self.index
+        live = index.live
+        if ids is None or not live or index.block_size < 1:
             return self.fallback.score(ctx, endpoints)
+        depths = _depths(ctx, index, ids)
+        most = (len(ids) - 1) // index.block_size  # blocks vLLM may hit
+        floor = self.min_share * most
         approximate: list[float] | None = None
-        scores = []
-        floor = self.min_share * len(ids)
+        scores = [0.0] * len(endpoints)
         for at, endpoint in enumerate(endpoints):
-            cached = predicted_tokens(ctx, self.index, endpoint)
-            if cached is None:
+            depth = _best_depth(endpoint, live, depths)
+            if depth is None:  # not followed: the approximate index's word
                 if approximate is None:
                     approximate = self.fallback.score(ctx, endpoints)
-                scores.append(approximate[at])
-            else:
-                scores.append(cached / len(ids) if cached and cached >= floor else 0.0)
+                scores[at] = approximate[at]
+            elif depth and depth >= floor:
+                scores[at] = min(depth, most) / most
         return scores
 
 
@@ -54,12 +57,29 @@ def predicted_tokens(ctx: Context, index: KVIndex, endpoint: EndpointView) -> in
     when its events are not followed or the request carries no token ids."""
     ids = ctx.features.token_ids
     size = index.block_size
-    names = [instance_name(endpoint.url, rank) for rank in range(max(endpoint.dp_size, 1))]
-    if ids is None or size < 1 or not any(name in index.live for name in names):
+    if ids is None or size < 1:
         return None
+    depth = _best_depth(endpoint, index.live, _depths(ctx, index, ids))
+    return None if depth is None else min(depth, (len(ids) - 1) // size) * size
+
+
+def _depths(ctx: Context, index: KVIndex, ids: Sequence[int]) -> dict[str, int]:
+    """``index.match`` of the request's blocks, once per decision (both legs share it)."""
     depths = ctx.matches.get(id(index))
     if depths is None:
-        keys = block_keys(ids, size, cache_salt=ctx.features.cache_salt)
+        keys = block_keys(ids, index.block_size, cache_salt=ctx.features.cache_salt)
         depths = ctx.matches[id(index)] = index.match(keys)
-    depth = max(depths.get(name, 0) for name in names)
-    return min(depth, (len(ids) - 1) // size) * size
+    return depths
+
+
+def _best_depth(endpoint: EndpointView, live: set[str], depths: dict[str, int]) -> int | None:
+    """The deepest match on any of ``endpoint``'s followed DP ranks; None: none followed."""
+    if endpoint.dp_size <= 1:
+        name = instance_name(endpoint.url, 0)
+        return depths.get(name, 0) if name in live else None
+    best: int | None = None
+    for rank in range(endpoint.dp_size):
+        name = instance_name(endpoint.url, rank)
+        if name in live:
+            best = max(best or 0, depths.get(name, 0))
+    return best

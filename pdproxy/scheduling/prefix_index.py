@@ -38,6 +38,8 @@ class PrefixIndex:
             return depths
         entries = self._entries
         alive = entries.get(blocks[0], 0)
+        if not alive:  # nobody holds even the first block: no need to walk the rest
+            return depths
         depth = 0
         for block in blocks:
             still = alive & entries.get(block, 0)

@@ -8,6 +8,7 @@ request fails with 503, or goes to a decode alone under ``--decode-only-fallback
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -19,6 +20,7 @@ from pdproxy.scheduling.context import Context, RequestFeatures
 from pdproxy.scheduling.deciders import AlwaysDisaggregate, PromptSizeDecider
 from pdproxy.scheduling.features import FeatureConfig, extract
 from pdproxy.scheduling.kv_events import KVIndex
+from pdproxy.scheduling.kv_scorer import predicted_tokens
 from pdproxy.scheduling.policies import build_policy
 from pdproxy.scheduling.ranks import RankChooser
 from pdproxy.scheduling.scorers import prefix_matches
@@ -93,11 +95,18 @@ class Scheduler:
             return self._decode_only(ctx, snapshot.decode, SHORT_PROMPT)
         prefill = _owned(self.prefill.choose(ctx, snapshot.prefill))
         decode = _owned(self.decode.choose(ctx, snapshot.decode))
-        return PairDecision(
+        decision = PairDecision(
             prefill,
             decode,
             self._ranks[Role.PREFILL].choose(ctx, prefill),
             self._ranks[Role.DECODE].choose(ctx, decode),
+        )
+        if not self.kv_events:  # nothing new per request when the policy is off
+            return decision
+        return dataclasses.replace(
+            decision,
+            prefill_cached=predicted_tokens(ctx, self.kv_index, prefill),
+            decode_cached=predicted_tokens(ctx, self.kv_index, decode),
         )
 
     def pick(

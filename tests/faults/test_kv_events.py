@@ -6,6 +6,7 @@ forgets a restarted engine's blocks and relearns them."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -114,8 +115,9 @@ def cached_tokens(answer: dict[str, Any]) -> int | None:
 
 @pytest.mark.parametrize("encoding", ["map", "array"])
 async def test_the_prefill_holding_the_prefix_is_chosen_and_the_prediction_is_exact(
-    tmp_path, encoding
+    tmp_path, encoding, caplog
 ):
+    caplog.set_level(logging.INFO, logger="pdproxy.access")
     async with kv_fleet(tmp_path, encoding) as f:
         await generate(f, prompt(0))
         holder = next(s for s, n in zip(f.prefills, served_by(f), strict=True) if n)
@@ -126,6 +128,12 @@ async def test_the_prefill_holding_the_prefix_is_chosen_and_the_prediction_is_ex
             answer = await generate(f, prompt(i))
             assert cached_tokens(answer) == expected  # the engine's own report, through PD
         assert served_by(f)[f.prefills.index(holder)] == 5  # every one followed the prefix
+        lines = [r.fields for r in caplog.records if r.name == "pdproxy.access"]
+        # The first request came before any event told the block size: no prediction.
+        predictions = [line.get("predicted_prefill_cached") for line in lines]
+        assert predictions == [None] + [expected] * 4
+        # The sim's decodes publish nothing of what they receive: followed, holding none.
+        assert [line.get("predicted_decode_cached") for line in lines] == [None] + [0] * 4
         status = f.state.kv_events.status()
         assert status["indexed_blocks"] > 0 and status["max_blocks"] > 0
         await assert_settled(f)
