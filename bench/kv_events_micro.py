@@ -28,7 +28,7 @@ def main() -> None:
     held = []
     for e in endpoints:
         name = instance_name(e.url, 0)
-        index.live.add(name)
+        index.follow(name)
         for p in range(PREFIXES):
             tokens = [rng.randrange(50_000) for _ in range(BLOCK * BLOCKS)]
             held.append(tokens)

@@ -102,7 +102,7 @@ class KVEventFleet:
     def _stop(self, name: str) -> None:
         running = self._running.pop(name)
         running.task.cancel()
-        self.index.live.discard(name)
+        self.index.unfollow(name)
         self.index.clear(name)
 
     async def aclose(self) -> None:

@@ -87,7 +87,7 @@ class KVEventSubscriber:
             sock.setsockopt(zmq.SUBSCRIBE, self._topic)
             sock.connect(self.endpoint)
             await self._replay(0)  # what the engine already holds, as far as its buffer goes
-            self._index.live.add(self.instance)
+            self._index.follow(self.instance)
             self.ready.set()
             while True:
                 ready = dict(await poller.poll())
@@ -99,7 +99,7 @@ class KVEventSubscriber:
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
-            self._index.live.discard(self.instance)
+            self._index.unfollow(self.instance)
             self._index.clear(self.instance)
 
     async def _on_frames(self, frames: list[bytes]) -> None:

@@ -179,6 +179,7 @@ class KVIndex:
         # instances (``instance_name``) whose events are followed and fresh: only these are
         # scored from this index; the others by the approximate one
         self.live: set[str] = set()
+        self.live_version = 0  # bumped by every change of ``live``
         self.max_blocks = max_blocks
         self.block_size = 0  # learned from the first BlockStored
         self._keys: dict[str, dict[Hashable, int]] = {}  # url -> engine hash -> own key
@@ -195,6 +196,15 @@ class KVIndex:
                 self._remove(url, event)
             else:
                 self.clear(url)
+
+    def follow(self, name: str) -> None:
+        """``name``'s events are followed: score it from this index."""
+        self.live.add(name)
+        self.live_version += 1
+
+    def unfollow(self, name: str) -> None:
+        self.live.discard(name)
+        self.live_version += 1
 
     def clear(self, url: str) -> None:
         """Everything ``url`` held is gone (its engine cleared or restarted, or it left)."""

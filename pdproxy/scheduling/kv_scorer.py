@@ -29,27 +29,50 @@ class KVEventsScorer:
         self.index = index
         self.fallback = fallback
         self.min_share = min_share
+        self._positions: (
+            tuple[tuple[int, int], Sequence[EndpointView], dict[str, int], list[int]] | None
+        ) = None
 
     def score(self, ctx: Context, endpoints: Sequence[EndpointView]) -> list[float]:
         ids = ctx.features.token_ids
         index = self.index
-        live = index.live
-        if ids is None or not live or index.block_size < 1:
+        if ids is None or not index.live or index.block_size < 1:
             return self.fallback.score(ctx, endpoints)
         depths = _depths(ctx, index, ids)
-        most = (len(ids) - 1) // index.block_size  # blocks vLLM may hit
-        floor = self.min_share * most
-        approximate: list[float] | None = None
+        positions, unfollowed = self._positions_of(endpoints)
         scores = [0.0] * len(endpoints)
-        for at, endpoint in enumerate(endpoints):
-            depth = _best_depth(endpoint, live, depths)
-            if depth is None:  # not followed: the approximate index's word
-                if approximate is None:
-                    approximate = self.fallback.score(ctx, endpoints)
+        if unfollowed:  # the approximate index's word for those
+            approximate = self.fallback.score(ctx, endpoints)
+            for at in unfollowed:
                 scores[at] = approximate[at]
-            elif depth and depth >= floor:
-                scores[at] = min(depth, most) / most
+        most = (len(ids) - 1) // index.block_size  # blocks vLLM may hit
+        if most < 1:
+            return scores
+        floor = max(self.min_share * most, 1)
+        for name, depth in depths.items():  # only the instances holding the first block
+            where = positions.get(name)
+            if where is not None and depth >= floor:
+                scores[where] = max(scores[where], min(depth, most) / most)
         return scores
+
+    def _positions_of(self, endpoints: Sequence[EndpointView]) -> tuple[dict[str, int], list[int]]:
+        """Each followed rank's name -> its endpoint's position, and the positions of the
+        endpoints with none followed; kept while the sequence (the registry's snapshot)
+        and the followed set last."""
+        key = (id(endpoints), self.index.live_version)
+        cached = self._positions
+        if cached is not None and cached[0] == key and cached[1] is endpoints:
+            return cached[2], cached[3]
+        live = self.index.live
+        positions: dict[str, int] = {}
+        unfollowed = []
+        for at, e in enumerate(endpoints):
+            names = [n for r in range(max(e.dp_size, 1)) if (n := instance_name(e.url, r)) in live]
+            positions.update(dict.fromkeys(names, at))
+            if not names:
+                unfollowed.append(at)
+        self._positions = (key, endpoints, positions, unfollowed)
+        return positions, unfollowed
 
 
 def predicted_tokens(ctx: Context, index: KVIndex, endpoint: EndpointView) -> int | None:

@@ -96,7 +96,7 @@ def test_index_keys_are_pdproxys_own_chain_of_token_ids_not_engine_hashes():
     assert index.block_size == 16
     assert index.match(block_keys(TOKENS, 16)) == {"a": 3, "b": 2}
     assert index.match(block_keys(TOKENS[:20], 16)) == {"a": 1, "b": 1}
-    assert index.match(block_keys([7] + TOKENS[1:], 16)) == {}
+    assert index.match(block_keys([7, *TOKENS[1:]], 16)) == {}
 
 
 def test_lora_and_cache_salt_separate_identical_tokens():

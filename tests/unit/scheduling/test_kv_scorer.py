@@ -18,7 +18,7 @@ CONFIG = SchedulingConfig(balance_abs_threshold=2, balance_rel_threshold=1.5)
 
 def _holds(index, url, blocks, rank=0, tokens=IDS):
     name = instance_name(url, rank)
-    index.live.add(name)
+    index.follow(name)
     event = stored(list(range(blocks)), None, tokens[: blocks * 16], 16, "map")
     index.apply(name, decode_batch([0.0, [event], rank])[0])
 
@@ -48,7 +48,7 @@ def test_decode_leg_prefers_the_decode_already_holding_blocks():
     policy = build_policy("kv-events", CONFIG, random.Random(0), kv)
     eps = [endpoint(f"http://d{i}:1") for i in range(4)]
     for e in eps:
-        kv.live.add(instance_name(e.url, 0))
+        kv.follow(instance_name(e.url, 0))
     _holds(kv, eps[3].url, 8)
     assert policy.choose(ctx(_features()), eps) is eps[3]
 
@@ -58,7 +58,7 @@ def test_an_evicted_prefix_is_not_followed_where_the_approximate_index_would():
     policy = build_policy("kv-events", CONFIG, random.Random(0), kv)
     eps = [endpoint(f"http://p{i}:1", Role.PREFILL) for i in range(2)]
     for e in eps:
-        kv.live.add(instance_name(e.url, 0))
+        kv.follow(instance_name(e.url, 0))
     first = policy.choose(ctx(_features()), eps)  # the approximate index learns this
     other = eps[1] if first is eps[0] else eps[0]
     _holds(kv, other.url, 6)  # yet the engines say the other one holds it
@@ -69,7 +69,7 @@ def test_instances_without_events_are_scored_by_the_approximate_index():
     kv = KVIndex(1000)
     policy = build_policy("kv-events", CONFIG, random.Random(0), kv)
     eps = [endpoint(f"http://p{i}:1", Role.PREFILL) for i in range(3)]
-    kv.live.add("http://elsewhere:1|0")
+    kv.follow("http://elsewhere:1|0")
     first = policy.choose(ctx(_features()), eps)
     assert all(policy.choose(ctx(_features()), eps) is first for _ in range(5))
     # A token-less request (text, no --render-once): the approximate index alone.
@@ -87,3 +87,12 @@ def test_predicted_tokens_are_vllms_hit_on_the_best_rank_never_the_whole_prompt(
     assert predicted_tokens(ctx(_features()), kv, e) == 7 * 16  # 128 tokens: 127 at most
     assert predicted_tokens(ctx(_features(IDS[:100])), kv, e) == 6 * 16
     assert predicted_tokens(ctx(_features([1, *IDS[1:]])), kv, e) == 0
+
+
+def test_a_prompt_shorter_than_a_block_scores_nothing_and_follows_no_one():
+    kv = KVIndex(1000)
+    policy = build_policy("kv-events", CONFIG, random.Random(0), kv)
+    eps = [endpoint(f"http://p{i}:1", Role.PREFILL) for i in range(2)]
+    for e in eps:
+        _holds(kv, e.url, 1)
+    assert policy.choose(ctx(_features(IDS[:16])), eps) in eps  # 15 tokens may hit: none
