@@ -88,7 +88,7 @@ def build_state(
     state = _app_state(config, core, orchestrator, passthrough, membership, health, release, clock)
     if config.render_once:
         state.render_once = _render_once(config, core, orchestrator, scheduler, budget, rng, clock)
-    if config.scheduling.kv_events_endpoint is not None:
+    if config.scheduling.kv_events_endpoint is not None or scheduler.kv_events:
         state.kv_events = KVEventFleet(config.scheduling, core.registry, scheduler.kv_index)
     return state
 

@@ -89,6 +89,9 @@ class EngineAddress:
     tp_size: int = 1
     transfer_mode: str | None = None  # "READ" | "WRITE" for MoRIIO
     bootstrap_url: str | None = None  # Mooncake bootstrap server
+    # where its vLLM KV events are (a template as --kv-events-endpoint's; None: the flag's)
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     @property
     def host_port(self) -> str:

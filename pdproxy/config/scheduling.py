@@ -41,6 +41,22 @@ DEFAULT_PREFILL_POLICY: PolicyName = "prefix-affinity"
 DEFAULT_DECODE_POLICY: PolicyName = "least-loaded"
 
 
+def events_endpoint(value: object, name: str) -> str | None:
+    """A KV events endpoint (template) as an instance or the command line gives it:
+    ``tcp://`` or ``ipc://``, at most 512 characters; None stays None."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > 512:
+        raise ConfigError(f"{name} must be a string of at most 512 characters")
+    if not value.startswith(("tcp://", "ipc://")):
+        raise ConfigError(f"{name} must be a tcp:// or ipc:// endpoint")
+    try:
+        value.format(host="h", port=1, dp_rank=0)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"{name} may name only {{host}}, {{port}} and {{dp_rank}}") from exc
+    return value
+
+
 def canonical_policy(name: str) -> PolicyName:
     """``name`` as one of ``POLICIES``; underscores and case are forgiven."""
     key = name.strip().lower().replace("_", "-")
@@ -86,9 +102,8 @@ class SchedulingConfig:
             raise ConfigError("--prefix-block-chars and --prefix-index-max-blocks must be >= 1")
         if not 0 <= self.cache_threshold <= 1:
             raise ConfigError("--cache-threshold must be in [0, 1]")
-        for template in (self.kv_events_endpoint, self.kv_events_replay_endpoint):
-            if template is not None and not template.startswith(("tcp://", "ipc://")):
-                raise ConfigError(f"a KV events endpoint is tcp:// or ipc://, not {template!r}")
+        events_endpoint(self.kv_events_endpoint, "--kv-events-endpoint")
+        events_endpoint(self.kv_events_replay_endpoint, "--kv-events-replay-endpoint")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:

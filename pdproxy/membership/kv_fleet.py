@@ -1,11 +1,10 @@
 """One KV-event subscriber per engine rank of the fleet (``--kv-events-endpoint``).
 
 Follows the registry: an instance that joins gets a subscriber per data-parallel rank, on
-the endpoint its registration names (``Endpoint.kv_events``) or else the template's; one
+the endpoint its registration or admin add names (``EngineAddress.kv_events_endpoint``)
+or else the flag's template (an instance with neither is scored approximately); one
 that leaves takes its subscribers and its entries in the index with it. A rank is scored
-from the index (``KVIndex.live``) while its subscriber runs and has heard from its engine
-within ``stale_after`` seconds or has nothing to say (an idle engine publishes nothing);
-an engine whose replay does not answer and that stays silent is not trusted.
+from the index (``KVIndex.live``) from its subscriber's first replay until it stops.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ class KVEventFleet:
     def __init__(
         self, config: SchedulingConfig, registry: EndpointRegistry, index: KVIndex
     ) -> None:
-        assert config.kv_events_endpoint is not None
         self._template = config.kv_events_endpoint
         self._replay = config.kv_events_replay_endpoint
         self._topic = config.kv_events_topic
@@ -74,33 +72,40 @@ class KVEventFleet:
         """Start subscribers for new instance ranks, stop those of instances gone."""
         if self._context is None:
             return
-        wanted: dict[str, tuple[str, int]] = {}
+        wanted: dict[str, tuple[str, str | None]] = {}
         for endpoint in self._registry.all():
+            address = endpoint.address
+            events = address.kv_events_endpoint or self._template
+            if events is None:  # neither its own nor the flag's: the approximate index
+                continue
+            replay = address.kv_events_replay_endpoint or (
+                None if address.kv_events_endpoint else self._replay
+            )
             for rank in range(max(endpoint.dp_size, 1)):
-                wanted[instance_name(endpoint.url, rank)] = (endpoint.url, rank)
-        for name in [n for n in self._running if n not in wanted]:
-            self._stop(name)
-        for name, (url, rank) in wanted.items():
+                wanted[instance_name(endpoint.url, rank)] = (
+                    endpoint_for(events, endpoint.url, rank),
+                    endpoint_for(replay, endpoint.url, rank) if replay else None,
+                )
+        for name, running in list(self._running.items()):
+            target = wanted.get(name)
+            if target != (running.subscriber.endpoint, running.subscriber.replay_endpoint):
+                self._stop(name, replaced=target is not None)  # gone, or new endpoints
+        for name, (events, replay) in wanted.items():
             if name not in self._running:
-                self._start(name, url, rank)
+                self._start(name, events, replay)
 
-    def _start(self, name: str, url: str, rank: int) -> None:
+    def _start(self, name: str, events: str, replay: str | None) -> None:
         assert self._context is not None
-        replay = endpoint_for(self._replay, url, rank) if self._replay else None
         subscriber = KVEventSubscriber(
-            self._context,
-            self.index,
-            name,
-            endpoint_for(self._template, url, rank),
-            replay,
-            topic=self._topic,
+            self._context, self.index, name, events, replay, topic=self._topic
         )
         task = asyncio.get_running_loop().create_task(subscriber.run())
         self._running[name] = _Running(subscriber, task)
         logger.info("following the KV events of %s at %s", name, subscriber.endpoint)
 
-    def _stop(self, name: str) -> None:
+    def _stop(self, name: str, *, replaced: bool = False) -> None:
         running = self._running.pop(name)
+        running.subscriber.replaced = replaced  # then its successor owns the name's entries
         running.task.cancel()
         self.index.unfollow(name)
         self.index.clear(name)

@@ -73,6 +73,7 @@ class KVEventSubscriber:
         self.stats = SubscriberStats()
         self.ready = asyncio.Event()  # subscribed and the first replay done
         self._disconnected = False
+        self.replaced = False  # a successor follows the same name: leave its entries alone
 
     async def run(self) -> None:
         sock = self._context.socket(zmq.SUB)
@@ -86,6 +87,7 @@ class KVEventSubscriber:
         try:
             sock.setsockopt(zmq.SUBSCRIBE, self._topic)
             sock.connect(self.endpoint)
+            self._index.clear(self.instance)  # a predecessor's entries, if any
             await self._replay(0)  # what the engine already holds, as far as its buffer goes
             self._index.follow(self.instance)
             self.ready.set()
@@ -99,8 +101,9 @@ class KVEventSubscriber:
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
-            self._index.unfollow(self.instance)
-            self._index.clear(self.instance)
+            if not self.replaced:
+                self._index.unfollow(self.instance)
+                self._index.clear(self.instance)
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         try:

@@ -173,3 +173,49 @@ async def test_an_engine_restart_clears_its_blocks_and_they_are_relearned(tmp_pa
         )
         assert index.unchained == 0
         await assert_settled(f)
+
+
+async def test_instances_added_by_the_admin_api_say_where_their_events_are(tmp_path):
+    """No template: each instance's own endpoint (the admin add body's field; a static
+    instance's address)."""
+    common: dict[str, Any] = dict(connector="nixl", model=MODEL, strict=True, block_size=BLOCK)
+    events = f"ipc://{tmp_path}/{{port}}.events"
+    async with contextlib.AsyncExitStack() as stack:
+        p, d = [
+            await stack.enter_async_context(
+                running_sim(SimConfig(role=role, kv_events_endpoint=events, **common))
+            )
+            for role in ("prefill", "decode")
+        ]
+        # A static prefill whose events are not followed: the approximate index scores it.
+        silent = await stack.enter_async_context(running_sim(SimConfig(role="prefill", **common)))
+        own = events.replace("{port}", str(d.port))
+        config = ProxyConfig(
+            prefill=(EngineAddress(url=silent.url),),
+            decode=(EngineAddress(url=d.url, kv_events_endpoint=own),),
+            kv_connector="nixl",
+            admin_api_key="k" * 32,
+            scheduling=SchedulingConfig(prefill_policy="kv-events"),
+        )
+        proxy = await stack.enter_async_context(running_proxy(config))
+        headers = {"X-API-Key": "k" * 32}
+        async with aiohttp.ClientSession() as session:
+            body = {
+                "type": "prefill",
+                "instance": p.url.split("://")[1],
+                "kv_events_endpoint": events.replace("{port}", str(p.port)),
+            }
+            async with session.post(proxy.url + "/instances/add", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+            bad = {"type": "decode", "instance": "127.0.0.1:9", "kv_events_endpoint": "http://x"}
+            async with session.post(proxy.url + "/instances/add", json=bad, headers=headers) as r:
+                assert r.status == 400 and "kv_events_endpoint" in await r.text()
+        fleet = proxy.state.kv_events
+        names = {instance_name(p.url, 0), instance_name(d.url, 0)}
+        await wait_until(lambda: names <= fleet.index.live, timeout=5, what="followed")
+        f = await idle(Fleet(proxy, [p, silent], [d]))
+        assert instance_name(silent.url, 0) not in fleet.status()["instances"]
+        f.instance(silent).legs.work = 100.0  # overloaded: the followed prefill serves
+        await generate(f, prompt(0))
+        await wait_until(lambda: predicted(f, p, prompt(1)) == len(PREFIX), timeout=3, what="ev")
+        assert cached_tokens(await generate(f, prompt(1))) == len(PREFIX)
