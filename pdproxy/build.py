@@ -107,6 +107,7 @@ def _orchestrator(
         timeouts=config.timeouts,
         verdicts=Verdicts(core.outliers, core.registry, core.metrics),
         metrics=core.metrics,
+        kv_check=scheduler.verify_prefill if scheduler.kv_events else None,
     )
     return Orchestrator(
         registry=core.registry,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -131,7 +132,8 @@ class KVEventFleet:
             "instances": {
                 name: {
                     "endpoint": r.subscriber.endpoint,
-                    "live": name in self.index.live,
+                    "live": name in self.index.live,  # followed and trusted
+                    "self_check": _figures(self.index, name),
                     "batches": r.subscriber.stats.batches,
                     "malformed": r.subscriber.stats.malformed,
                     "gaps": r.subscriber.sequence.gaps,
@@ -142,3 +144,8 @@ class KVEventFleet:
                 for name, r in self._running.items()
             },
         }
+
+
+def _figures(index: KVIndex, name: str) -> dict[str, Any] | None:
+    figures = index.check.figures.get(name)
+    return None if figures is None else dataclasses.asdict(figures)

@@ -23,6 +23,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdproxy.scheduling.kv_check import SelfCheck
 from pdproxy.scheduling.prefix_index import PrefixIndex
 
 STORED = "BlockStored"
@@ -176,10 +177,12 @@ class KVIndex:
 
     def __init__(self, max_blocks: int) -> None:
         self.prefixes = PrefixIndex(max_blocks)
-        # instances (``instance_name``) whose events are followed and fresh: only these are
-        # scored from this index; the others by the approximate one
+        # engine ranks (``instance_name``) whose events are followed; of them, those the
+        # self-check trusts are ``live``: scored from this index, the others approximately
+        self.followed: set[str] = set()
         self.live: set[str] = set()
         self.live_version = 0  # bumped by every change of ``live``
+        self.check = SelfCheck()
         self.max_blocks = max_blocks
         self.block_size = 0  # learned from the first BlockStored
         self._keys: dict[str, dict[Hashable, int]] = {}  # url -> engine hash -> own key
@@ -198,12 +201,30 @@ class KVIndex:
                 self.clear(url)
 
     def follow(self, name: str) -> None:
-        """``name``'s events are followed: score it from this index."""
-        self.live.add(name)
+        """``name``'s events are followed: score it from this index (once trusted)."""
+        self.followed.add(name)
+        if not self.check.distrusted(name):
+            self.live.add(name)
         self.live_version += 1
 
     def unfollow(self, name: str) -> None:
+        self.followed.discard(name)
         self.live.discard(name)
+        self.check.forget(name)
+        self.live_version += 1
+
+    def verify(self, name: str, predicted: int, actual: int) -> None:
+        """The engine ``name`` found ``actual`` cached tokens where ``predicted`` were
+        expected (``kv_check``): it may lose or regain its place in ``live``."""
+        if name not in self.followed:
+            return
+        change = self.check.record(name, predicted, actual, self.block_size)
+        if change is True:
+            self.live.discard(name)
+        elif change is False:
+            self.live.add(name)
+        else:
+            return
         self.live_version += 1
 
     def clear(self, url: str) -> None:

@@ -77,12 +77,13 @@ class KVEventsScorer:
 
 def predicted_tokens(ctx: Context, index: KVIndex, endpoint: EndpointView) -> int | None:
     """The prompt tokens ``endpoint``'s engine will find cached, from its events; None
-    when its events are not followed or the request carries no token ids."""
+    when its events are not followed or the request carries no token ids. (An engine the
+    self-check distrusts is still predicted, so that it can be trusted again.)"""
     ids = ctx.features.token_ids
     size = index.block_size
     if ids is None or size < 1:
         return None
-    depth = _best_depth(endpoint, index.live, _depths(ctx, index, ids))
+    depth = _best_depth(endpoint, index.followed, _depths(ctx, index, ids))
     return None if depth is None else min(depth, (len(ids) - 1) // size) * size
 
 

@@ -19,7 +19,7 @@ from pdproxy.scheduling import Decider
 from pdproxy.scheduling.context import Context, RequestFeatures
 from pdproxy.scheduling.deciders import AlwaysDisaggregate, PromptSizeDecider
 from pdproxy.scheduling.features import FeatureConfig, extract
-from pdproxy.scheduling.kv_events import KVIndex
+from pdproxy.scheduling.kv_events import KVIndex, instance_name
 from pdproxy.scheduling.kv_scorer import predicted_tokens
 from pdproxy.scheduling.policies import build_policy
 from pdproxy.scheduling.ranks import RankChooser
@@ -119,6 +119,19 @@ class Scheduler:
         policy = self.prefill if role is Role.PREFILL else self.decode
         chosen = _owned(policy.choose(ctx, candidates))
         return chosen, self._ranks[role].choose(ctx, chosen)
+
+    def verify_prefill(self, decision: PairDecision, answer: Mapping[str, Any]) -> None:
+        """The prefill's answer says what it found cached (vLLM's
+        ``kv_transfer_params.remote_prefill_cached_tokens``): the KV-event index checks its
+        prediction against it (``kv_check``). Only for one-rank prefills, whose hit is the
+        rank the prediction was made for."""
+        predicted = decision.prefill_cached
+        params = answer.get("kv_transfer_params")
+        if predicted is None or decision.prefill.dp_size > 1 or not isinstance(params, dict):
+            return
+        actual = params.get("remote_prefill_cached_tokens")
+        if isinstance(actual, int) and not isinstance(actual, bool):
+            self.kv_index.verify(instance_name(decision.prefill.url, 0), predicted, actual)
 
     def forget(self, url: str) -> None:
         """An instance left the fleet: drop it from the prefix indexes."""

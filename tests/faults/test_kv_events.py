@@ -38,8 +38,8 @@ BLOCK = 16
 PREFIX = model.tokenize(" ".join(f"shared{i}" for i in range(8 * BLOCK)))
 
 
-def prompt(i: int) -> list[int]:
-    return PREFIX + model.tokenize(" ".join(f"own{i}x{k}" for k in range(20)))
+def prompt(i: int, prefix: list[int] = PREFIX) -> list[int]:
+    return prefix + model.tokenize(" ".join(f"own{i}x{k}" for k in range(20)))
 
 
 @contextlib.asynccontextmanager
@@ -139,12 +139,37 @@ async def test_the_prefill_holding_the_prefix_is_chosen_and_the_prediction_is_ex
         await assert_settled(f)
 
 
-async def test_events_stop_requests_are_still_served(tmp_path):
+async def test_events_stop_the_engine_falls_back_to_the_approximate_index_and_recovers(tmp_path):
+    """Events stop with no gap to show it: predictions go wrong against the engine's own
+    report, the engine is scored approximately; requests are served all along; events
+    resume and predictions agree again: it is trusted again."""
     async with kv_fleet(tmp_path) as f:
-        for sim in f.engines:
-            sim.kv_events.faults.stopped = True
-        outcomes = [await generate(f, prompt(i)) for i in range(6)]
-        assert all(o["choices"] for o in outcomes)
+        p, other = f.prefills
+        f.instance(other).legs.work = 100.0  # overloaded: every request on p
+        name = instance_name(p.url, 0)
+        index = f.state.kv_events.index
+        warm = model.tokenize(" ".join(f"warm{i}" for i in range(2 * BLOCK)))
+        await generate(f, warm)  # heard: the index knows the block size
+        await wait_until(lambda: index.block_size == BLOCK, timeout=3, what="first events")
+        p.kv_events.faults.stopped = True
+        for i in range(6):  # the first stores the prefix, unheard; 5 wrong predictions
+            assert (await generate(f, prompt(i)))["choices"]
+        assert name not in index.live and name in index.followed
+        check = f.state.kv_events.status()["instances"][name]["self_check"]
+        assert check["distrusted"] and check["wrong"] == 5
+        p.kv_events.faults.stopped = False
+        other_prefix = model.tokenize(" ".join(f"tenant{i}" for i in range(8 * BLOCK)))
+        await generate(f, prompt(0, other_prefix))  # stored and heard
+        await wait_until(
+            lambda: predicted(f, p, prompt(1, other_prefix)) == len(other_prefix),
+            timeout=3,
+            what="events again",
+        )
+        for i in range(1, 6):
+            answer = await generate(f, prompt(i, other_prefix))
+            assert cached_tokens(answer) == len(other_prefix)
+        assert name in index.live  # five right in a row
+        f.instance(other).legs.work = 0.0
         await assert_settled(f)
 
 
