@@ -55,7 +55,7 @@ class Legs:
         timeouts: Timeouts,
         verdicts: Verdicts,
         metrics: ProxyMetrics,
-        kv_check: Callable[[PairDecision, Mapping[str, Any]], None] | None = None,
+        kv_check: Callable[[PairDecision, Mapping[str, Any]], tuple[int, int] | None] | None = None,
     ) -> None:
         # kv-events: the prefill's reported hit against the prediction (None: policy off)
         self._kv_check = kv_check
@@ -114,8 +114,15 @@ class Legs:
         span.end(None)
         self._verdicts.success(endpoint)
         if self._kv_check is not None:
-            self._kv_check(transfer.decision, answer)
+            self._checked(self._kv_check(transfer.decision, answer))
         return answer
+
+    def _checked(self, figures: tuple[int, int] | None) -> None:
+        if figures is not None:
+            predicted, actual = figures
+            self._metrics.kv_events_cached_tokens.labels("predicted").inc(predicted)
+            self._metrics.kv_events_cached_tokens.labels("actual").inc(actual)
+            self._metrics.kv_events_error_tokens.inc(abs(predicted - actual))
 
     async def decode(
         self, request: ClientRequest, transfer: Transfer, prefill_answer: Mapping[str, Any] | None

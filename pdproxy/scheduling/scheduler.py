@@ -120,18 +120,22 @@ class Scheduler:
         chosen = _owned(policy.choose(ctx, candidates))
         return chosen, self._ranks[role].choose(ctx, chosen)
 
-    def verify_prefill(self, decision: PairDecision, answer: Mapping[str, Any]) -> None:
+    def verify_prefill(
+        self, decision: PairDecision, answer: Mapping[str, Any]
+    ) -> tuple[int, int] | None:
         """The prefill's answer says what it found cached (vLLM's
         ``kv_transfer_params.remote_prefill_cached_tokens``): the KV-event index checks its
         prediction against it (``kv_check``). Only for one-rank prefills, whose hit is the
-        rank the prediction was made for."""
+        rank the prediction was made for. Returns (predicted, actual) when checked."""
         predicted = decision.prefill_cached
         params = answer.get("kv_transfer_params")
         if predicted is None or decision.prefill.dp_size > 1 or not isinstance(params, dict):
-            return
+            return None
         actual = params.get("remote_prefill_cached_tokens")
-        if isinstance(actual, int) and not isinstance(actual, bool):
-            self.kv_index.verify(instance_name(decision.prefill.url, 0), predicted, actual)
+        if not isinstance(actual, int) or isinstance(actual, bool):
+            return None
+        self.kv_index.verify(instance_name(decision.prefill.url, 0), predicted, actual)
+        return predicted, actual
 
     def forget(self, url: str) -> None:
         """An instance left the fleet: drop it from the prefix indexes."""

@@ -136,6 +136,11 @@ async def test_the_prefill_holding_the_prefix_is_chosen_and_the_prediction_is_ex
         assert [line.get("predicted_decode_cached") for line in lines] == [None] + [0] * 4
         status = f.state.kv_events.status()
         assert status["indexed_blocks"] > 0 and status["max_blocks"] > 0
+        # The self-check's figures: four checked predictions, all exact.
+        predicted_total = f.metric("pdproxy_kv_events_cached_tokens_total", kind="predicted")
+        assert predicted_total == 4 * expected
+        assert f.metric("pdproxy_kv_events_cached_tokens_total", kind="actual") == 4 * expected
+        assert f.metric("pdproxy_kv_events_prediction_error_tokens_total") == 0
         await assert_settled(f)
 
 
