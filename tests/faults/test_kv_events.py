@@ -249,3 +249,10 @@ async def test_instances_added_by_the_admin_api_say_where_their_events_are(tmp_p
         await generate(f, prompt(0))
         await wait_until(lambda: predicted(f, p, prompt(1)) == len(PREFIX), timeout=3, what="ev")
         assert cached_tokens(await generate(f, prompt(1))) == len(PREFIX)
+        f.instance(silent).legs.work = 0.0
+        gone = instance_name(p.url, 0)
+        subscriber = fleet._running[gone].task
+        proxy.state.registry.remove(p.url)  # it leaves (drained, expired): its entries go
+        assert gone not in fleet.index.followed and gone not in fleet.status()["instances"]
+        assert predicted(f, p, prompt(1)) == 0
+        await wait_until(subscriber.done, timeout=3, what="its subscriber stopped")
