@@ -89,8 +89,8 @@ class Pair:
 @pytest.fixture(scope="module")
 def kv_pair() -> Iterator[Pair]:
     pair = Pair()
-    pair.start()
     try:
+        pair.start()
         yield pair
     finally:
         pair.stop()
