@@ -140,6 +140,8 @@ class Services:
         state.passthrough.start()
         if state.render_once is not None:
             state.render_once.start()
+        if state.kv_events is not None:  # every worker schedules, so every worker follows
+            state.kv_events.start()
         if state.owner_link is not None and state.worker_gauges is not None:
             # A worker: the owner admits, probes, scrapes and sweeps; this one follows.
             await state.owner_link.start()
@@ -184,6 +186,8 @@ class Services:
         await state.passthrough.aclose()
         if state.render_once is not None:
             await state.render_once.aclose()
+        if state.kv_events is not None:
+            await state.kv_events.aclose()
         await state.client.aclose()
         await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans
 

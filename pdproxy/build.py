@@ -17,6 +17,7 @@ from pdproxy.connectors import KVConnector, load_connector
 from pdproxy.errors import ConfigError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.health import HealthChecker
+from pdproxy.membership.kv_fleet import KVEventFleet
 from pdproxy.membership.load_scraper import LoadScraper
 from pdproxy.membership.membership import Membership
 from pdproxy.membership.models import ModelReader
@@ -94,6 +95,8 @@ def build_state(
     state = _app_state(config, core, orchestrator, passthrough, membership, health, release, clock)
     if config.render_once:
         state.render_once = _render_once(config, core, orchestrator, scheduler, budget, rng, clock)
+    if config.scheduling.kv_events_endpoint is not None or scheduler.kv_events:
+        state.kv_events = KVEventFleet(config.scheduling, core.registry, scheduler.kv_index)
     return state
 
 
@@ -112,6 +115,7 @@ def _orchestrator(
         timeouts=config.timeouts,
         verdicts=Verdicts(core.outliers, core.registry, core.metrics),
         metrics=core.metrics,
+        kv_check=scheduler.verify_prefill if scheduler.kv_events else None,
     )
     return Orchestrator(
         registry=core.registry,

@@ -89,6 +89,9 @@ class EngineAddress:
     tp_size: int = 1
     transfer_mode: str | None = None  # "READ" | "WRITE" for MoRIIO
     bootstrap_url: str | None = None  # Mooncake bootstrap server
+    # where its vLLM KV events are (a template as --kv-events-endpoint's; None: the flag's)
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     @property
     def host_port(self) -> str:
@@ -315,6 +318,9 @@ class PairDecision:
     decode: Endpoint
     prefill_dp_rank: int | None = None
     decode_dp_rank: int | None = None  # sent to D only where the connector allows it
+    # kv-events: the prompt tokens each engine's events say it holds (None: not followed)
+    prefill_cached: int | None = None
+    decode_cached: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

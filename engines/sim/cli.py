@@ -86,6 +86,22 @@ def _add_kv_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
         help="Blocks the prefix cache remembers.",
     )
     add(
+        "--kv-events-endpoint",
+        default=d.kv_events_endpoint,
+        help="Publish KV cache events as vLLM's ZMQ publisher on this bound endpoint.",
+    )
+    add(
+        "--kv-events-replay-endpoint",
+        default=d.kv_events_replay_endpoint,
+        help="The KV events replay (ROUTER) endpoint.",
+    )
+    add(
+        "--kv-events-encoding",
+        choices=("map", "array"),
+        default=d.kv_events_encoding,
+        help="Events as tagged maps (vLLM 0.32) or positional arrays (earlier releases).",
+    )
+    add(
         "--dp-size",
         type=int,
         default=d.dp_size,
@@ -259,6 +275,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             "block_size",
             "num_blocks",
             "prefix_cache_blocks",
+            "kv_events_endpoint",
+            "kv_events_replay_endpoint",
+            "kv_events_encoding",
             "dp_size",
             "tp_size",
             "transfer_mode",

@@ -101,6 +101,12 @@ class SimConfig:
     max_running: int = 256
     prefill_concurrency: int = 0  # prefill compute lanes per DP rank (FIFO); 0 = unlimited
     prefix_cache_blocks: int = 8192  # capacity of the prefix cache, in blocks
+    # vLLM's --kv-events-config: a PUB (and ROUTER replay) socket bound here; "map" events
+    # as vLLM 0.32, "array" as earlier releases (engines/sim/kv_events.py); "{port}" in
+    # them is the HTTP port (so a test's pdproxy finds them from a template)
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_encoding: str = "map"
     keep_alive_s: float = 5.0  # idle keep-alive timeout, as VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     record_limit: int = 10000  # how many request records /sim/requests keeps
     # /v1/responses keeps responses for previous_response_id (vLLM's
@@ -133,6 +139,8 @@ class SimConfig:
         if self.connector == "example" and self.role != "both" and not self.kv_dir:
             raise ValueError("the example connector needs kv_dir")
         parse_lora_modules(self.lora_modules)  # raises ValueError for a bad one
+        if self.kv_events_encoding not in ("map", "array"):
+            raise ValueError("kv_events_encoding must be map or array")
         self._validate_tls()
         self.faults.validate()
 

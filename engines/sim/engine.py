@@ -80,7 +80,7 @@ class Engine:
             c.tokens_local_compute += n - external
             return Prefill(kv, _reported_cached(req, external), external, n - external)
         kv = model.compute_kv(tokens, req.model)
-        cached = self.prefix.match_and_insert(kv)
+        cached = self.prefix.match_and_insert(kv, tokens)
         c.prefix_cache_queries += n
         c.prefix_cache_hits += cached
         c.tokens_local_cache_hit += cached

@@ -22,6 +22,8 @@ from engines.sim.app import SimApp
 from engines.sim.config import Faults, SimConfig
 from engines.sim.engine import Engine
 from engines.sim.http import Connection, ServerState
+from engines.sim.kv_events import KVEventPublisher
+from engines.sim.kvstore import KVEvents
 from engines.sim.metrics import Counters, Gauges, parse_metrics, render
 from engines.sim.openai_api import GENERATE_PATH
 from engines.sim.records import RequestRecord
@@ -44,6 +46,7 @@ class SimServer:
         self._restore: asyncio.TimerHandle | None = None
         self._relisten: asyncio.Task[None] | None = None
         self.heartbeat: registration.Heartbeat | None = None
+        self.kv_events: KVEventPublisher | None = None  # --kv-events-endpoint
 
     @property
     def url(self) -> str:
@@ -77,6 +80,7 @@ class SimServer:
         self._ssl = server_ssl_context(self.config)
         await self.engine.connector.start()
         await self._listen()
+        self._publish_kv_events()  # after the listener: its endpoint may name the HTTP port
         self._apply_faults(self.config.faults)
         log.info(
             "pdproxy-sim %s role=%s connector=%s listening on %s (kv port %d)",
@@ -93,6 +97,21 @@ class SimServer:
                 self.engine.connector.bootstrap_port,
             )
         self._start_heartbeat()
+
+    def _publish_kv_events(self) -> None:
+        cfg = self.config
+        if cfg.kv_events_endpoint is None:
+            return
+        replay = cfg.kv_events_replay_endpoint
+        publisher = KVEventPublisher(
+            cfg.kv_events_endpoint.format(port=self.port),
+            replay.format(port=self.port) if replay else None,
+            encoding=cfg.kv_events_encoding,
+        )
+        publisher.start()
+        self.kv_events = publisher
+        prefix = self.engine.prefix
+        prefix.events = KVEvents(prefix.block_size, cfg.kv_events_encoding, publisher.publish)
 
     def _start_heartbeat(self) -> None:
         cfg = self.config
@@ -145,6 +164,8 @@ class SimServer:
         await asyncio.sleep(0)  # connection_lost runs: aborts recorded, idle timers cancelled
         # the connector: side channel, leases, background pushes, bootstrap server
         await self.engine.connector.stop()
+        if self.kv_events is not None:  # a crashed engine's sockets close with it
+            await self.kv_events.aclose()
 
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()
@@ -210,9 +231,14 @@ class SimHandle:
         old = self._server
         await old.kill()
         connector = old.engine.connector
+        events = old.kv_events
         config = dataclasses.replace(
             old.config,
             port=old.port,
+            kv_events_endpoint=events.endpoint if events else old.config.kv_events_endpoint,
+            kv_events_replay_endpoint=(
+                events.replay_endpoint if events else old.config.kv_events_replay_endpoint
+            ),
             kv_port=connector.kv_port,
             bootstrap_port=connector.bootstrap_port or old.config.bootstrap_port,
         )
@@ -227,6 +253,11 @@ class SimHandle:
     @property
     def url(self) -> str:
         return self._server.url
+
+    @property
+    def kv_events(self) -> KVEventPublisher | None:
+        """The KV events publisher (its ``faults``: drop batches, stop, no replay)."""
+        return self._server.kv_events
 
     @property
     def port(self) -> int:

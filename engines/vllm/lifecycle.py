@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,11 +86,14 @@ def start_engines(
     block_size: int = 32,
     kv_cache_gib: int = 1,
     extra_args: Sequence[str] = (),
+    role_args: Mapping[str, Sequence[str]] | None = None,
 ) -> EnginePair:
     """Start a prefill and a decode engine in parallel and wait until both are healthy.
 
     model: a key of settings.MODELS ("tiny-llama", "smollm2-135m-instruct"); None keeps the
     settings' model (tiny-llama unless the settings say otherwise). It is built if missing.
+    role_args: more arguments for one role only ({"prefill": [...]}), after ``extra_args``
+    (an endpoint each engine binds, such as --kv-events-config's).
     On failure both are stopped and EngineError is raised (with the log tails).
     """
     if connector not in CONNECTORS:
@@ -117,6 +120,7 @@ def start_engines(
         kv_lease_duration=kv_lease_duration,
         nixl_prog_thread=nixl_prog_thread,
         extra_args=extra_args,
+        role_args=dict(role_args or {}),
     )
     return _launch_pair(settings, specs, connector, run_dir, command_options, timeout)
 
@@ -210,7 +214,10 @@ def _spawn(
 
     The engine joins `started` as soon as it runs, so a failure after that still stops it.
     """
-    argv, env = engine_command(settings, spec, connector, **command_options)
+    options = dict(command_options)
+    role_args = options.pop("role_args", {})
+    options["extra_args"] = (*options["extra_args"], *role_args.get(spec.role, ()))
+    argv, env = engine_command(settings, spec, connector, **options)
     log_path = run_dir / f"{spec.role}.log"
     popen = _popen_logged(argv, env, log_path, cwd=run_dir)
     eng = Engine(

@@ -25,6 +25,7 @@ from pdproxy.api.info import describe
 from pdproxy.api.state import AppState
 from pdproxy.config.addresses import format_url, kv_address_problem, parse_host_port
 from pdproxy.config.proxy import TRANSFER_MODES
+from pdproxy.config.scheduling import events_endpoint
 from pdproxy.errors import AdminError, ConfigError, UpstreamError
 from pdproxy.membership.instance_checks import served_models
 from pdproxy.types import EngineAddress, Role
@@ -85,6 +86,8 @@ async def add_instance(request: Request) -> Response:
         tp_size=_optional_size(body, "tp_size"),
         transfer_mode=_optional_mode(body),
         bootstrap_url=_bootstrap_url(body, host),
+        kv_events_endpoint=_events(body, "kv_events_endpoint"),
+        kv_events_replay_endpoint=_events(body, "kv_events_replay_endpoint"),
     )
     await _check_stated_models(state, address.url, body.get("models"))
     link = state.owner_link  # --workers: the membership owner applies it
@@ -190,3 +193,10 @@ def _bootstrap_url(body: dict[str, Any], host: str) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
         raise AdminError(400, "'bootstrap_port' must be a port number")
     return format_url("http", host, value)
+
+
+def _events(body: dict[str, Any], name: str) -> str | None:
+    try:
+        return events_endpoint(body.get(name), f"'{name}'")
+    except ConfigError as exc:
+        raise AdminError(400, str(exc)) from exc

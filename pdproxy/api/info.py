@@ -68,6 +68,8 @@ async def status(request: Request) -> Response:
             else state.registry_backend()
         ),
     }
+    if state.kv_events is not None:  # --kv-events-endpoint: the index and its subscribers
+        body["kv_events"] = state.kv_events.status()
     if state.owner_link is not None:  # --workers: which one answered (in_flight is its own)
         spec = state.owner_link.spec
         body["worker"] = {"pid": os.getpid(), "index": spec.index, "workers": spec.count}

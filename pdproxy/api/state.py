@@ -13,6 +13,7 @@ from pdproxy.api.auth import ClientKeys
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.health import HealthChecker
+from pdproxy.membership.kv_fleet import KVEventFleet
 from pdproxy.membership.load_scraper import LoadScraper
 from pdproxy.membership.membership import Membership
 from pdproxy.membership.models import ModelReader
@@ -54,6 +55,7 @@ class AppState:
     in_flight: int = 0  # client requests being served
     tracer: Tracer = field(default_factory=NullTracer)  # --otlp-traces-endpoint
     render_once: RenderOnce | None = None  # --render-once
+    kv_events: KVEventFleet | None = None  # --kv-events-endpoint: the engines' KV events
     # --workers N: this worker's link to the membership owner (the admin API's writes go
     # there) and the multiprocess registry /metrics renders; None in a single process.
     owner_link: OwnerLink | None = None

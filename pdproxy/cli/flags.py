@@ -18,7 +18,8 @@ from pdproxy.cli.flag import (
     Flag,
     add_flags,
 )
-from pdproxy.cli.flag_tables import RESILIENCE_FLAGS, SCHEDULING_FLAGS, SECURITY_FLAGS
+from pdproxy.cli.flag_tables import RESILIENCE_FLAGS, SECURITY_FLAGS
+from pdproxy.cli.scheduling_flags import SCHEDULING_FLAGS
 from pdproxy.config.proxy import KV_CONNECTORS, LOG_FORMATS, TRANSFER_MODES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

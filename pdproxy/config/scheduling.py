@@ -16,6 +16,7 @@ PolicyName = Literal[
     "consistent-hash",
     "prefix-affinity",
     "kv-aware",
+    "kv-events",
 ]
 POLICIES: tuple[PolicyName, ...] = (
     "round-robin",
@@ -25,6 +26,7 @@ POLICIES: tuple[PolicyName, ...] = (
     "consistent-hash",
     "prefix-affinity",
     "kv-aware",
+    "kv-events",
 )
 # Other routers' names for the same policies, so their users switch by changing the binary.
 POLICY_ALIASES: dict[str, PolicyName] = {
@@ -32,10 +34,27 @@ POLICY_ALIASES: dict[str, PolicyName] = {
     "prefix-hash": "prefix-affinity",  # SMG
     "consistent-hashing": "consistent-hash",  # SMG
     "least-load": "least-loaded",
+    "precise-prefix-cache": "kv-events",  # llm-d's precise prefix-cache scorer
 }
 # Chosen by `make bench-sched` (docs/benchmarks.md): see the README's policy guide.
 DEFAULT_PREFILL_POLICY: PolicyName = "prefix-affinity"
 DEFAULT_DECODE_POLICY: PolicyName = "least-loaded"
+
+
+def events_endpoint(value: object, name: str) -> str | None:
+    """A KV events endpoint (template) as an instance or the command line gives it:
+    ``tcp://`` or ``ipc://``, at most 512 characters; None stays None."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > 512:
+        raise ConfigError(f"{name} must be a string of at most 512 characters")
+    if not value.startswith(("tcp://", "ipc://")):
+        raise ConfigError(f"{name} must be a tcp:// or ipc:// endpoint")
+    try:
+        value.format(host="h", port=1, dp_rank=0)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"{name} may name only {{host}}, {{port}} and {{dp_rank}}") from exc
+    return value
 
 
 def canonical_policy(name: str) -> PolicyName:
@@ -65,6 +84,11 @@ class SchedulingConfig:
     balance_rel_threshold: float = 1.5
     # (model, prefill policy, decode policy): a model's own policies (--model-policy)
     model_policies: tuple[tuple[str, str, str], ...] = ()
+    # where each engine rank publishes its KV events: a template of {host}, {port} (the
+    # instance's) and {dp_rank}; without {dp_rank} the port is offset by the rank, as vLLM does
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_policy", canonical_policy(self.prefill_policy))
@@ -85,6 +109,10 @@ class SchedulingConfig:
             raise ConfigError("--prefix-block-chars and --prefix-index-max-blocks must be >= 1")
         if not 0 <= self.cache_threshold <= 1:
             raise ConfigError("--cache-threshold must be in [0, 1]")
+        events_endpoint(self.kv_events_endpoint, "--kv-events-endpoint")
+        events_endpoint(self.kv_events_replay_endpoint, "--kv-events-replay-endpoint")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ConfigError(
                 "--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1"

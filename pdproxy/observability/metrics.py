@@ -133,6 +133,20 @@ class ProxyMetrics:
             registry=registry,
             buckets=_LEG_BUCKETS,
         )
+        self.kv_events_cached_tokens = Counter(
+            "pdproxy_kv_events_cached_tokens_total",
+            "kv-events: prompt tokens the prefill's events predicted cached (predicted) and"
+            " the prefill then found cached (actual), over the requests it checked.",
+            ("kind",),
+            registry=registry,
+        )
+        for kind in ("predicted", "actual"):
+            self.kv_events_cached_tokens.labels(kind)
+        self.kv_events_error_tokens = Counter(
+            "pdproxy_kv_events_prediction_error_tokens_total",
+            "kv-events: the absolute difference between predicted and actual cached tokens.",
+            registry=registry,
+        )
 
     def _define_endpoints(self, registry: CollectorRegistry) -> None:
         """Per instance (role, url); a departed instance's series are removed."""

@@ -40,6 +40,9 @@ class RequestTrace:
     prefill_dp_rank: int | None = None
     decode_url: str | None = None  # of the last decode leg sent
     decode_only: bool = False  # served by a decode alone, no prefill
+    # kv-events: the prompt tokens the chosen prefill's and decode's events say they hold
+    predicted_prefill_cached: int | None = None
+    predicted_decode_cached: int | None = None
     retries: int = 0  # legs sent again after a failed one
     prefill_sent: float | None = None
     prefill_ended: float | None = None
@@ -96,7 +99,17 @@ class RequestTrace:
             "total_ms": _ms(self.started, self.finished),
             "bytes_sent": self.bytes_sent,
             "decode_only": self.decode_only,
+            **self._predicted(),
         }
+
+    def _predicted(self) -> dict[str, int]:
+        """kv-events' predictions, only where made (the access line is unchanged without)."""
+        out = {}
+        if self.predicted_prefill_cached is not None:
+            out["predicted_prefill_cached"] = self.predicted_prefill_cached
+        if self.predicted_decode_cached is not None:
+            out["predicted_decode_cached"] = self.predicted_decode_cached
+        return out
 
     def span_attributes(self) -> dict[str, AttributeValue]:
         """The request span's attributes, once the request is over."""
@@ -112,6 +125,8 @@ class RequestTrace:
             ("pdproxy.prefill.url", self.prefill_url),
             ("pdproxy.prefill.dp_rank", self.prefill_dp_rank),
             ("pdproxy.decode.url", self.decode_url),
+            ("pdproxy.prefill.predicted_cached_tokens", self.predicted_prefill_cached),
+            ("pdproxy.decode.predicted_cached_tokens", self.predicted_decode_cached),
         ):
             if value is not None:
                 attributes[key] = value
@@ -137,6 +152,13 @@ def current() -> RequestTrace:
 def current_request_id() -> str | None:
     trace = _CURRENT.get()
     return None if trace is None else trace.request_id
+
+
+def bind_predicted(prefill: int | None, decode: int | None) -> None:
+    """kv-events predicted these cached prompt tokens on the chosen prefill and decode."""
+    trace = _CURRENT.get()
+    if trace is not None:
+        trace.predicted_prefill_cached, trace.predicted_decode_cached = prefill, decode
 
 
 def bind_request_id(request_id: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,10 @@ class Legs:
         timeouts: Timeouts,
         verdicts: Verdicts,
         metrics: ProxyMetrics,
+        kv_check: Callable[[PairDecision, Mapping[str, Any]], tuple[int, int] | None] | None = None,
     ) -> None:
+        # kv-events: the prefill's reported hit against the prediction (None: policy off)
+        self._kv_check = kv_check
         self._connector = connector
         self._client = client
         self._timeouts = timeouts
@@ -110,7 +113,16 @@ class Legs:
         trace.prefill_answered = ended
         span.end(None)
         self._verdicts.success(endpoint)
+        if self._kv_check is not None:
+            self._checked(self._kv_check(transfer.decision, answer))
         return answer
+
+    def _checked(self, figures: tuple[int, int] | None) -> None:
+        if figures is not None:
+            predicted, actual = figures
+            self._metrics.kv_events_cached_tokens.labels("predicted").inc(predicted)
+            self._metrics.kv_events_cached_tokens.labels("actual").inc(actual)
+            self._metrics.kv_events_error_tokens.inc(abs(predicted - actual))
 
     async def decode(
         self, request: ClientRequest, transfer: Transfer, prefill_answer: Mapping[str, Any] | None

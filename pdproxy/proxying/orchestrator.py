@@ -28,7 +28,7 @@ from pdproxy.connectors import KVConnector, Transfer
 from pdproxy.errors import UpstreamError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
-from pdproxy.observability.request_context import bind_request_id
+from pdproxy.observability.request_context import bind_predicted, bind_request_id
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs
@@ -273,6 +273,8 @@ class Orchestrator:
         decision = self._scheduler.schedule(run.features, view)
         if isinstance(decision, PairDecision):
             self._retries.picked(run, decision.prefill)
+            if decision.prefill_cached is not None or decision.decode_cached is not None:
+                bind_predicted(decision.prefill_cached, decision.decode_cached)
         self._retries.picked(run, decision.decode)
         return decision
 

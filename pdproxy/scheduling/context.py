@@ -23,6 +23,10 @@ class RequestFeatures:
     blocks: tuple[int, ...] = ()
     # why the request must not be split across two legs (``features.one_leg_reason``)
     one_leg: str | None = None
+    # the prompt's token ids when the body carries them (token-in, --render-once) and a
+    # ``kv-events`` policy needs them; the body's own list, never copied
+    token_ids: Sequence[int] | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

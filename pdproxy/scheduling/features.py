@@ -61,6 +61,7 @@ def extract(
     config: FeatureConfig,
     *,
     want_blocks: bool,
+    want_token_ids: bool = False,
 ) -> RequestFeatures:
     model = body.get("model")
     prompt = render_prompt(body, config.block_chars * _MAX_BLOCKS if want_blocks else 0)
@@ -72,13 +73,28 @@ def extract(
         user = body.get("user")
         session = user if isinstance(user, str) and user else None
     blocks = block_hashes(prompt.text, config.block_chars) if want_blocks else ()
+    token_ids = prompt_token_ids(body) if want_token_ids else None
+    salt = body.get("cache_salt") if want_token_ids else None
     return RequestFeatures(
         model=model if isinstance(model, str) else None,
         tokens=float(tokens),
         session=session,
         blocks=blocks,
         one_leg=one_leg_reason(body),
+        token_ids=token_ids,
+        cache_salt=salt if isinstance(salt, str) else None,
     )
+
+
+def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:
+    """The prompt's token ids when the body gives one prompt as ids (a token-in
+    completion, or ``/inference/v1/generate``'s ``token_ids``, which ``--render-once``
+    sends), else None. Only the first id is type-checked: vLLM refuses a list that mixes
+    them, and a wrong guess costs a cache miss, never a wrong answer."""
+    ids = body.get("token_ids", body.get("prompt"))
+    if isinstance(ids, list) and ids and isinstance(ids[0], int) and not isinstance(ids[0], bool):
+        return ids
+    return None
 
 
 PARALLEL_SAMPLING = "parallel_sampling"

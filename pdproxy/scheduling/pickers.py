@@ -13,13 +13,17 @@ from pdproxy.scheduling.view import EndpointView
 
 class MaxScorePicker:
     """The highest score; ties go to the least loaded of them (``by_load``), then at
-    random, so equal instances share the work."""
+    random, so equal instances share the work. With ``spread``, a request nobody scored
+    (a prompt matching no cache) goes where ``spread`` says instead."""
 
     type_name = "max-score-picker"
 
-    def __init__(self, rng: random.Random, *, by_load: bool = False) -> None:
+    def __init__(
+        self, rng: random.Random, *, by_load: bool = False, spread: SpreadNew | None = None
+    ) -> None:
         self._rng = rng
         self._by_load = by_load
+        self._spread = spread
 
     def pick(
         self, ctx: Context, endpoints: Sequence[EndpointView], scores: list[float]
@@ -29,11 +33,44 @@ class MaxScorePicker:
         if ties == 1:
             return endpoints[scores.index(best)]
         top = endpoints  # everyone ties (nobody scored): keep the sequence, and its loads
+        if best <= 0.0 and ties == len(endpoints) and self._spread is not None:
+            return self._spread.pick(ctx, endpoints)
         if ties < len(endpoints):
             top = [e for e, s in zip(endpoints, scores, strict=True) if s == best]
         if self._by_load:
             return least_loaded(ctx, top, self._rng)
         return self._rng.choice(top)
+
+
+class SpreadNew:
+    """Where a prompt no cache holds goes: among the instances within one request of the
+    least loaded, the one that took a new prefix least recently (ties at random).
+
+    Least-loaded alone thrashes at low load: every instance idles at its slowness, so
+    each new prefix lands on the one instance measured fastest, which evicts the last
+    one (the issue's 5 of 6 new tenants on one prefill). Filling in turn keeps each
+    cache's share of the prefixes even, while a busier instance still gets none."""
+
+    type_name = "spread-new"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._filled: dict[str, int] = {}  # url -> when it last took a new prefix
+        self._clock = 0
+
+    def pick(self, ctx: Context, endpoints: Sequence[EndpointView]) -> EndpointView:
+        loads = ctx.loads(endpoints)
+        ceiling = min(loads) + 1.0  # one more request at typical speed
+        filled = self._filled
+        tier = [e for e, load in zip(endpoints, loads, strict=True) if load < ceiling]
+        oldest = min(filled.get(e.url, -1) for e in tier)
+        chosen = self._rng.choice([e for e in tier if filled.get(e.url, -1) == oldest])
+        self._clock += 1
+        filled[chosen.url] = self._clock
+        if len(filled) > 4 * len(endpoints) + 16:  # instances that left: forget them
+            current = {e.url for e in endpoints}
+            self._filled = {u: t for u, t in filled.items() if u in current}
+        return chosen
 
 
 class LeastLoadedPicker:

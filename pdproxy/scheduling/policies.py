@@ -7,8 +7,12 @@ least-loaded        fewest requests in flight (proxy legs, or the engine's queue
 power-of-two        two at random, the less loaded
 consistent-hash     the session key's owner on a hash ring; least-loaded without a key
 prefix-affinity     the instance holding the longest prefix of the prompt, among those
-                    not overloaded; least-loaded on a tie (vllm-router's cache_aware)
+                    not overloaded; least-loaded on a tie; a prompt matching nowhere to
+                    the least recently filled of the least loaded (vllm-router's
+                    cache_aware)
 kv-aware            most free KV cache and fewest requests (the engines' /metrics)
+kv-events           prefix-affinity scored by the exact cached prefix each engine
+                    reports in its KV events (``kv_scorer``), where they are followed
 ==================  ===============================================================
 """
 
@@ -22,6 +26,8 @@ from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.scheduling import Filter, Picker, Scorer
 from pdproxy.scheduling.context import Context
 from pdproxy.scheduling.filters import ModelFilter, OverloadFilter
+from pdproxy.scheduling.kv_events import KVIndex
+from pdproxy.scheduling.kv_scorer import KVEventsScorer
 from pdproxy.scheduling.pickers import (
     ConsistentHashPicker,
     LeastLoadedPicker,
@@ -29,6 +35,7 @@ from pdproxy.scheduling.pickers import (
     PowerOfTwoPicker,
     RandomPicker,
     RoundRobinPicker,
+    SpreadNew,
 )
 from pdproxy.scheduling.prefix_index import PrefixIndex
 from pdproxy.scheduling.scorers import KVUsageScorer, LoadScorer, PrefixScorer
@@ -72,40 +79,49 @@ class RolePolicy:
         return total
 
 
-_Factory = Callable[[SchedulingConfig, random.Random], RolePolicy]
+_Factory = Callable[[SchedulingConfig, random.Random, KVIndex], RolePolicy]
 
 
-def _round_robin(config: SchedulingConfig, rng: random.Random) -> RolePolicy:
+def _round_robin(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
     return RolePolicy("round-robin", (ModelFilter(),), (), RoundRobinPicker())
 
 
-def _random(config: SchedulingConfig, rng: random.Random) -> RolePolicy:
+def _random(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
     return RolePolicy("random", (ModelFilter(),), (), RandomPicker(rng))
 
 
-def _least_loaded(config: SchedulingConfig, rng: random.Random) -> RolePolicy:
+def _least_loaded(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
     return RolePolicy("least-loaded", (ModelFilter(),), (), LeastLoadedPicker(rng))
 
 
-def _power_of_two(config: SchedulingConfig, rng: random.Random) -> RolePolicy:
+def _power_of_two(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
     return RolePolicy("power-of-two", (ModelFilter(),), (), PowerOfTwoPicker(rng))
 
 
-def _consistent_hash(config: SchedulingConfig, rng: random.Random) -> RolePolicy:
+def _consistent_hash(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
     picker = ConsistentHashPicker(LeastLoadedPicker(rng))
     return RolePolicy("consistent-hash", (ModelFilter(),), (), picker)
 
 
-def _prefix_affinity(config: SchedulingConfig, rng: random.Random) -> RolePolicy:
+def _prefix_affinity(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
     index = PrefixIndex(config.prefix_index_max_blocks)
     overload = OverloadFilter(config.balance_abs_threshold, config.balance_rel_threshold)
-    # The longest match wins; the load breaks ties (no match at all, or equal ones).
-    picker = MaxScorePicker(rng, by_load=True)
+    # The longest match wins; the load breaks ties between equal matches, and a prompt
+    # that matches nowhere fills the caches in turn (``SpreadNew``).
+    picker = MaxScorePicker(rng, by_load=True, spread=SpreadNew(rng))
     scorers = ((PrefixScorer(index, config.cache_threshold), 1.0),)
     return RolePolicy("prefix-affinity", (ModelFilter(), overload), scorers, picker, index)
 
 
-def _kv_aware(config: SchedulingConfig, rng: random.Random) -> RolePolicy:
+def _kv_events(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
+    index = PrefixIndex(config.prefix_index_max_blocks)  # for instances without events
+    overload = OverloadFilter(config.balance_abs_threshold, config.balance_rel_threshold)
+    picker = MaxScorePicker(rng, by_load=True, spread=SpreadNew(rng))
+    exact = KVEventsScorer(kv, PrefixScorer(index, config.cache_threshold), config.cache_threshold)
+    return RolePolicy("kv-events", (ModelFilter(), overload), ((exact, 1.0),), picker, index)
+
+
+def _kv_aware(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
     scorers = ((KVUsageScorer(), 1.0), (LoadScorer(), 1.0))
     return RolePolicy("kv-aware", (ModelFilter(),), scorers, MaxScorePicker(rng))
 
@@ -118,9 +134,14 @@ POLICY_FACTORIES: dict[str, _Factory] = {
     "consistent-hash": _consistent_hash,
     "prefix-affinity": _prefix_affinity,
     "kv-aware": _kv_aware,
+    "kv-events": _kv_events,
 }
 
 
-def build_policy(name: str, config: SchedulingConfig, rng: random.Random) -> RolePolicy:
-    """The policy ``name`` (already canonical: ``config.SchedulingConfig`` checks it)."""
-    return POLICY_FACTORIES[name](config, rng)
+def build_policy(
+    name: str, config: SchedulingConfig, rng: random.Random, kv: KVIndex | None = None
+) -> RolePolicy:
+    """The policy ``name`` (already canonical: ``config.SchedulingConfig`` checks it);
+    ``kv`` is the fleet's KV-event index (``kv-events`` reads it; a fresh one if None)."""
+    index = kv if kv is not None else KVIndex(config.prefix_index_max_blocks)
+    return POLICY_FACTORIES[name](config, rng, index)

@@ -38,6 +38,8 @@ class PrefixIndex:
             return depths
         entries = self._entries
         alive = entries.get(blocks[0], 0)
+        if not alive:  # nobody holds even the first block: no need to walk the rest
+            return depths
         depth = 0
         for block in blocks:
             still = alive & entries.get(block, 0)
@@ -73,6 +75,24 @@ class PrefixIndex:
             refresh(block)
         while len(entries) > self.max_blocks:
             entries.popitem(last=False)
+
+    def remove(self, blocks: Iterable[int], url: str) -> None:
+        """``url`` no longer holds ``blocks`` (its engine evicted them); an entry nobody
+        holds goes."""
+        bit = self._bits.get(url)
+        if bit is None:
+            return
+        keep = ~(1 << bit)
+        entries = self._entries
+        for block in blocks:
+            mask = entries.get(block)
+            if mask is None:
+                continue
+            mask &= keep
+            if mask:
+                entries[block] = mask
+            else:
+                del entries[block]
 
     def forget(self, url: str) -> None:
         """``url`` left the fleet: clear it everywhere and free its bit."""

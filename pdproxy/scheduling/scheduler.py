@@ -8,6 +8,7 @@ request fails with 503, or goes to a decode alone under ``--decode-only-fallback
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -18,6 +19,8 @@ from pdproxy.scheduling import Decider
 from pdproxy.scheduling.context import Context, RequestFeatures
 from pdproxy.scheduling.deciders import AlwaysDisaggregate, PromptSizeDecider
 from pdproxy.scheduling.features import FeatureConfig, extract
+from pdproxy.scheduling.kv_events import KVIndex, instance_name
+from pdproxy.scheduling.kv_scorer import predicted_tokens
 from pdproxy.scheduling.policies import RolePolicy, build_policy
 from pdproxy.scheduling.ranks import RankChooser
 from pdproxy.scheduling.scorers import prefix_matches
@@ -25,6 +28,7 @@ from pdproxy.scheduling.speed import SpeedTracker
 from pdproxy.scheduling.view import EndpointView
 from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
 
+KV_EVENTS = "kv-events"
 SHORT_PROMPT = "short_prompt"
 NO_PREFILL = "no_prefill"
 
@@ -42,13 +46,21 @@ class Scheduler:
         # False (P2P-NCCL: a decode always waits for its prefill's KV): a request vLLM
         # cannot split is refused (400) rather than sent to a decode that would fail it.
         self._decode_alone = decode_alone
-        self.prefill = build_policy(config.prefill_policy, config, rng)
-        self.decode = build_policy(config.decode_policy, config, rng)
+        # The fleet's KV-event index: fed by the subscribers, read by ``kv-events``.
+        self.kv_index = KVIndex(config.prefix_index_max_blocks)
+        self.prefill = build_policy(config.prefill_policy, config, rng, self.kv_index)
+        self.decode = build_policy(config.decode_policy, config, rng, self.kv_index)
         # --model-policy: a model's own pair of policies (one dict hit when any is set)
         self._by_model = {
-            model: (build_policy(p, config, rng), build_policy(d, config, rng))
+            model: (
+                build_policy(p, config, rng, self.kv_index),
+                build_policy(d, config, rng, self.kv_index),
+            )
             for model, p, d in config.model_policies
         }
+        self.kv_events = KV_EVENTS in (config.prefill_policy, config.decode_policy) or any(
+            KV_EVENTS in (p, d) for _, p, d in config.model_policies
+        )
         self._decider: Decider = (
             PromptSizeDecider(config.pd_threshold_tokens)
             if config.pd_threshold_tokens > 0
@@ -65,7 +77,13 @@ class Scheduler:
         self.speeds = SpeedTracker()  # fed by the orchestrator with each prefill leg's time
 
     def features(self, body: Mapping[str, Any], session: str | None) -> RequestFeatures:
-        return extract(body, session, self._features, want_blocks=self._want_blocks)
+        return extract(
+            body,
+            session,
+            self._features,
+            want_blocks=self._want_blocks,
+            want_token_ids=self.kv_events,
+        )
 
     def schedule(self, features: RequestFeatures, snapshot: Snapshot) -> PairDecision | DecodeOnly:
         """A prefill and a decode, or a decode alone; raises ``NoEndpointAvailable``."""
@@ -90,11 +108,18 @@ class Scheduler:
             return self._decode_only(ctx, snapshot.decode, SHORT_PROMPT)
         prefill = _owned(prefill_policy.choose(ctx, snapshot.prefill))
         decode = _owned(decode_policy.choose(ctx, snapshot.decode))
-        return PairDecision(
+        decision = PairDecision(
             prefill,
             decode,
             self._ranks[Role.PREFILL].choose(ctx, prefill),
             self._ranks[Role.DECODE].choose(ctx, decode),
+        )
+        if not self.kv_events:  # nothing new per request when the policy is off
+            return decision
+        return dataclasses.replace(
+            decision,
+            prefill_cached=predicted_tokens(ctx, self.kv_index, prefill),
+            decode_cached=predicted_tokens(ctx, self.kv_index, decode),
         )
 
     def pick(
@@ -108,6 +133,23 @@ class Scheduler:
         policy = policies[0] if role is Role.PREFILL else policies[1]
         chosen = _owned(policy.choose(ctx, candidates))
         return chosen, self._ranks[role].choose(ctx, chosen)
+
+    def verify_prefill(
+        self, decision: PairDecision, answer: Mapping[str, Any]
+    ) -> tuple[int, int] | None:
+        """The prefill's answer says what it found cached (vLLM's
+        ``kv_transfer_params.remote_prefill_cached_tokens``): the KV-event index checks its
+        prediction against it (``kv_check``). Only for one-rank prefills, whose hit is the
+        rank the prediction was made for. Returns (predicted, actual) when checked."""
+        predicted = decision.prefill_cached
+        params = answer.get("kv_transfer_params")
+        if predicted is None or decision.prefill.dp_size > 1 or not isinstance(params, dict):
+            return None
+        actual = params.get("remote_prefill_cached_tokens")
+        if not isinstance(actual, int) or isinstance(actual, bool):
+            return None
+        self.kv_index.verify(instance_name(decision.prefill.url, 0), predicted, actual)
+        return predicted, actual
 
     def forget(self, url: str) -> None:
         """An instance left the fleet: drop it from the prefix indexes."""

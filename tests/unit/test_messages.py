@@ -347,3 +347,18 @@ def test_http_address_is_written_canonically():
 def test_legacy_ports_and_hosts_refused(overrides):
     with pytest.raises(RegistryMessageError):
         decode(_legacy(**overrides), MAX)
+
+
+def test_a_registration_may_name_its_kv_events_endpoints():
+    payload = {"type": "P", "http_address": "10.0.0.1:20003", "zmq_address": "10.0.0.1:21001"}
+    events = {
+        "kv_events_endpoint": "tcp://10.0.0.1:5557",
+        "kv_events_replay_endpoint": "tcp://{host}:5558",
+    }
+    reg = decode(_enc({**payload, **events}), MAX)
+    assert reg.address.kv_events_endpoint == "tcp://10.0.0.1:5557"
+    assert reg.address.kv_events_replay_endpoint == "tcp://{host}:5558"
+    assert decode(_enc(payload), MAX).address.kv_events_endpoint is None
+    for bad in ("http://x:1", 5557, "tcp://{nope}:1", "tcp://" + "x" * 600):
+        with pytest.raises(RegistryMessageError, match="kv_events_endpoint"):
+            decode(_enc({**payload, "kv_events_endpoint": bad}), MAX)

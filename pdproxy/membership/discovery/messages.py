@@ -30,6 +30,7 @@ import msgpack
 
 from pdproxy.config.addresses import canonical_host, format_url, kv_address_problem, parse_host_port
 from pdproxy.config.proxy import TRANSFER_MODES
+from pdproxy.config.scheduling import events_endpoint
 from pdproxy.errors import ConfigError, RegistryMessageError
 from pdproxy.types import EngineAddress, Registration, Role
 
@@ -83,8 +84,18 @@ def _decode_current(data: Message, role: Role) -> Registration:
         dp_size=_size(data.get("dp_size", 1), "dp_size"),
         tp_size=_size(data.get("tp_size", 1), "tp_size"),
         transfer_mode=_mode(data.get("transfer_mode")) if moriio else None,
+        kv_events_endpoint=_events(data, "kv_events_endpoint"),
+        kv_events_replay_endpoint=_events(data, "kv_events_replay_endpoint"),
     )
     return Registration(role, address, "moriio" if moriio else "p2p")
+
+
+def _events(data: Message, name: str) -> str | None:
+    """An engine's own KV events endpoint (optional, pdproxy's own key)."""
+    try:
+        return events_endpoint(data.get(name), name)
+    except ConfigError as exc:
+        raise RegistryMessageError(str(exc)) from exc
 
 
 def _decode_legacy(data: Message) -> Registration:

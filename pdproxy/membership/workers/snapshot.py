@@ -137,6 +137,8 @@ def address_dict(address: EngineAddress) -> dict[str, Any]:
         "tp_size": address.tp_size,
         "transfer_mode": address.transfer_mode,
         "bootstrap_url": address.bootstrap_url,
+        "kv_events_endpoint": address.kv_events_endpoint,
+        "kv_events_replay_endpoint": address.kv_events_replay_endpoint,
     }
 
 
@@ -148,6 +150,8 @@ def address_from(d: dict[str, Any]) -> EngineAddress:
         tp_size=int(d.get("tp_size", 1)),
         transfer_mode=d.get("transfer_mode"),
         bootstrap_url=d.get("bootstrap_url"),
+        kv_events_endpoint=d.get("kv_events_endpoint"),
+        kv_events_replay_endpoint=d.get("kv_events_replay_endpoint"),
     )
 
 

@@ -131,3 +131,25 @@ def test_prefix_affinity_ignores_a_match_under_the_cache_threshold():
     assert holder.url not in placed and len(placed) == 3
     # Sharing 3 of 4 blocks (75 %): affinity, despite the load.
     assert p.choose(ctx(RequestFeatures(blocks=(1, 2, 7, 8))), eps) is holder
+
+
+def test_prefix_affinity_spreads_new_prefixes_over_idle_instances_of_unequal_speed():
+    """The issue's thrash: idle, one prefill measured fastest; least-loaded sent every new
+    tenant to it. Unmatched prompts now fill the caches in turn; a match still wins."""
+    p = _policy("prefix-affinity")
+    eps = [endpoint(f"http://e{i}:1", Role.PREFILL) for i in range(4)]
+    eps[0].speed.slowness = 0.8
+    for e in eps[1:]:
+        e.speed.slowness = 1.1
+    tenants = [tuple(range(100 * t, 100 * t + 8)) for t in range(8)]
+    placed = Counter(p.choose(ctx(RequestFeatures(blocks=b)), eps).url for b in tenants)
+    assert sorted(placed.values()) == [2, 2, 2, 2]
+    first = p.choose(ctx(RequestFeatures(blocks=tenants[0])), eps)
+    assert p.choose(ctx(RequestFeatures(blocks=(*tenants[0], 5))), eps) is first
+
+
+def test_spreading_new_prefixes_never_picks_a_busier_instance():
+    p = _policy("prefix-affinity")
+    eps = [endpoint(f"http://e{i}:1", Role.PREFILL, in_flight=n) for i, n in enumerate([0, 1, 0])]
+    placed = {p.choose(ctx(RequestFeatures(blocks=(1000 + i,))), eps).url for i in range(6)}
+    assert placed == {"http://e0:1", "http://e2:1"}

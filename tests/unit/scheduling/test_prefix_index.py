@@ -49,3 +49,14 @@ def test_forget_clears_an_instance_and_reuses_its_bit():
 def test_cap_must_be_positive():
     with pytest.raises(ValueError):
         PrefixIndex(0)
+
+
+def test_remove_clears_one_instance_and_drops_emptied_entries():
+    index = PrefixIndex(100)
+    index.insert((1, 2, 3), "a")
+    index.insert((1, 2), "b")
+    index.remove((2, 3, 42), "a")
+    index.remove((1,), "nobody")
+    assert index.match((1, 2, 3)) == {"a": 1, "b": 2}
+    index.remove((1, 2), "b")
+    assert len(index) == 1 and index.match((1, 2)) == {"a": 1}

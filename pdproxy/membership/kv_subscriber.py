@@ -1,0 +1,205 @@
+"""A subscriber to one engine rank's KV cache events (vLLM's ``ZmqEventPublisher``).
+
+On the event loop (``zmq.asyncio``, no threads). A SUB socket on the engine's publisher
+with its topic; on start, and whenever the sequence says so (``scheduling.kv_sequence``),
+a DEALER asks the replay socket (a ROUTER) for the batches from a number on: it answers
+``(b"", topic, seq, payload)`` for each buffered batch from there, then
+``(b"", b"", -1, b"")``. A publisher that disconnects and comes back is rebuilt from its
+replay (``_on_connection``). Without a replay endpoint, or when the replay does not answer
+within ``replay_timeout``, the subscriber goes on from what it hears live.
+
+A malformed message (a frame count other than 3, a sequence number that is not 8 bytes, a
+payload that does not decode as vLLM's batch) is counted and dropped; it never stops the
+subscriber. Only cancellation ends ``run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from pdproxy.scheduling.kv_events import KVIndex, MalformedEvents, decode_batch
+from pdproxy.scheduling.kv_sequence import Action, SequenceTracker
+
+logger = logging.getLogger(__name__)
+
+_END = (-1).to_bytes(8, "big", signed=True)
+_RECV_HWM = 100_000  # vLLM's own PUB high-water mark
+_MAX_BYTES = 64 << 20  # a batch larger than this is not vLLM's
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    batches: int = 0
+    malformed: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    reconnects: int = 0
+    last_batch_at: float | None = None  # monotonic, for staleness
+
+
+class KVEventSubscriber:
+    """Feeds ``index`` under the name ``instance`` (one engine's URL and rank) from
+    ``endpoint`` (and ``replay_endpoint``, if any)."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        index: KVIndex,
+        instance: str,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        replay_timeout: float = 2.0,
+    ) -> None:
+        self._context = context
+        self._index = index
+        self.instance = instance
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self._topic = topic.encode()
+        self._replay_timeout = replay_timeout
+        self.sequence = SequenceTracker()
+        self.stats = SubscriberStats()
+        self.ready = asyncio.Event()  # subscribed and the first replay done
+        self._disconnected = False
+        self.replaced = False  # a successor follows the same name: leave its entries alone
+
+    async def run(self) -> None:
+        sock = self._context.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, _RECV_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_BYTES)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+            sock.connect(self.endpoint)
+            self._index.clear(self.instance)  # a predecessor's entries, if any
+            await self._replay(0)  # what the engine already holds, as far as its buffer goes
+            self._index.follow(self.instance)
+            self.ready.set()
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await self._on_connection(await monitor.recv_multipart())
+                if sock in ready:
+                    await self._on_frames(await sock.recv_multipart(copy=True))
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            if not self.replaced:
+                self._index.unfollow(self.instance)
+                self._index.clear(self.instance)
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        try:
+            await self._on_live(frames)
+        except Exception:  # never stop following: the next batch may be sound
+            self.stats.malformed += 1
+            logger.exception("KV events of %s: batch not applied", self.instance)
+
+    async def _on_connection(self, message: list[bytes]) -> None:
+        """A publisher that went away and came back (a restarted engine, or the network):
+        nothing says what it published meanwhile, nor whether it is the same process, so
+        its entries are rebuilt from its replay buffer (vLLM numbers a new process from 0,
+        and a lost first batch would leave the restart unseen)."""
+        event = parse_monitor_message(message)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self._disconnected = True
+        elif event == zmq.EVENT_CONNECTED and self._disconnected:
+            self._disconnected = False
+            self.stats.reconnects += 1
+            logger.info("KV events of %s: publisher back, rebuilding", self.instance)
+            self._index.clear(self.instance)
+            self.sequence.reset()
+            await self._replay(0)
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        parsed = self._parse(frames)
+        if parsed is None:
+            return
+        seq, ts, events = parsed
+        action = self.sequence.live(seq, ts)
+        if action is Action.APPLY:
+            self._apply(events)
+            return
+        if action is Action.SKIP:
+            return
+        if action is Action.RESTART:
+            logger.warning("KV events of %s restarted at %d: rebuilding", self.instance, seq)
+            self._index.clear(self.instance)
+        # Awaited inline: the SUB socket queues meanwhile (its HWM is vLLM's), and the
+        # batches the replay covered are then skipped by their number and timestamp.
+        await self._replay(self.sequence.next or 0)
+        self._take_replayed(seq, ts, events)
+
+    def _take_replayed(self, seq: int, ts: float, events: list[Any]) -> None:
+        action = self.sequence.replayed(seq, ts)
+        if action is Action.RESTART:  # the gap could not be filled: rebuild from here
+            logger.warning("KV events of %s: gap not replayed, rebuilding", self.instance)
+            self._index.clear(self.instance)
+        if action is not Action.SKIP:
+            self._apply(events)
+
+    async def _replay(self, start: int) -> None:
+        if self.replay_endpoint is None:
+            return
+        self.stats.replays += 1
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_BYTES)
+        try:
+            dealer.connect(self.replay_endpoint)
+            await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout)
+                if len(frames) == 4 and frames[2] == _END:
+                    return
+                parsed = self._parse(frames[1:])
+                if parsed is None:
+                    continue
+                self._take_replayed(*parsed)
+        except TimeoutError:
+            self.stats.replay_failures += 1
+            logger.warning("KV events replay of %s: no answer", self.instance)
+        finally:
+            dealer.close(linger=0)
+
+    def _parse(self, frames: list[bytes]) -> tuple[int, float, list[Any]] | None:
+        try:
+            if len(frames) != 3 or len(frames[1]) != 8:
+                raise MalformedEvents(f"{len(frames)} frames")
+            batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+            events, _rank = decode_batch(batch)
+            ts = batch[0]
+            if not isinstance(ts, int | float):
+                raise MalformedEvents("a batch's timestamp is a number")
+        except (MalformedEvents, ValueError, TypeError, msgpack.ExtraData) as exc:
+            self.stats.malformed += 1
+            logger.debug("KV events of %s: malformed batch dropped (%s)", self.instance, exc)
+            return None
+        return int.from_bytes(frames[1], "big"), float(ts), list(events)
+
+    def _apply(self, events: list[Any]) -> None:
+        self._index.apply(self.instance, events)
+        self.stats.batches += 1
+        self.stats.last_batch_at = time.monotonic()
+
+    async def aclose(self, task: asyncio.Task[None]) -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,264 @@
+"""vLLM's KV cache events, decoded, and an exact index of which engine holds which blocks.
+
+Wire format (PROTOCOLS.md §8, ``vllm/distributed/kv_events.py``): a batch is
+``[ts, [event, ...], data_parallel_rank]``. An event is a tagged map in vLLM 0.32
+(``{"type": "BlockStored", "block_hashes": [...], ...}``) and a positional array with the
+tag first in earlier releases (``["BlockStored", block_hashes, parent_block_hash,
+token_ids, block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]``,
+``["AllBlocksCleared"]``); both are read. Unknown event types and unknown fields are
+ignored (the next vLLM adds some); a batch whose shape is wrong raises ``MalformedEvents``
+(the subscriber counts and drops it).
+
+The index is keyed on pdproxy's own hash of each block's token ids, chained to its
+parent's key and rooted in the LoRA name and the first block's extra keys (the cache
+salt), as vLLM chains its own: engines' hashes depend on a per-process seed and on
+``--prefix-caching-hash-algo``, so they are only kept, per engine, to apply removals.
+Python's ``hash`` of int tuples is the same in every process, so a request's keys
+(``block_keys``) equal the keys of the events that stored its blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdproxy.scheduling.kv_check import SelfCheck
+from pdproxy.scheduling.prefix_index import PrefixIndex
+
+STORED = "BlockStored"
+REMOVED = "BlockRemoved"
+CLEARED = "AllBlocksCleared"
+_FULL_ATTENTION = ("full_attention", "FullAttentionSpec", "full")
+# the positional fields of the arrays sent before events became tagged maps
+_STORED_FIELDS: tuple[str, ...] = ("block_hashes", "parent_block_hash", "token_ids")
+_STORED_FIELDS += ("block_size", "lora_id", "medium", "lora_name")
+_REMOVED_FIELDS = ("block_hashes", "medium")
+
+
+class MalformedEvents(ValueError):
+    """A batch or event whose shape is not vLLM's."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    block_hashes: tuple[Hashable, ...]
+    parent: Hashable | None
+    token_ids: Sequence[int]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+    first_extra: tuple[Any, ...] = ()  # the first block's extra keys (its cache salt)
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    block_hashes: tuple[Hashable, ...]
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Removed | Cleared
+
+
+def decode_batch(batch: Any) -> tuple[list[Event], int | None]:
+    """A batch's events (those of the full-attention group) and its DP rank."""
+    if not isinstance(batch, list | tuple) or len(batch) < 2:
+        raise MalformedEvents("a batch is [ts, events, dp_rank]")
+    events = batch[1]
+    if not isinstance(events, list | tuple):
+        raise MalformedEvents("a batch's events are a list")
+    rank = batch[2] if len(batch) > 2 and isinstance(batch[2], int) else None
+    decoded = [e for e in map(decode_event, events) if e is not None]
+    return decoded, rank
+
+
+def decode_event(raw: Any) -> Event | None:
+    """One event, or None for a type this version does not know (or another KV group)."""
+    if isinstance(raw, Mapping):
+        fields: Mapping[Any, Any] = raw
+        kind = raw.get("type")
+    elif isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        names = _STORED_FIELDS if kind == STORED else _REMOVED_FIELDS
+        fields = dict(zip(names, raw[1:], strict=False))
+    else:
+        raise MalformedEvents(f"an event is a map or a tagged array, not {type(raw).__name__}")
+    if kind == STORED:
+        return _stored(fields)
+    if kind == REMOVED:
+        return Removed(_hashes(fields), _str(fields.get("medium")))
+    if kind == CLEARED:
+        return Cleared()
+    return None
+
+
+def _stored(fields: Mapping[Any, Any]) -> Stored | None:
+    kind = fields.get("kv_cache_spec_kind")
+    if kind is not None and kind not in _FULL_ATTENTION:
+        return None  # sliding-window or mamba groups say nothing of a prefix hit
+    hashes = _hashes(fields)
+    tokens, size = fields.get("token_ids"), fields.get("block_size")
+    if not isinstance(tokens, list | tuple) or not isinstance(size, int) or size < 1:
+        raise MalformedEvents("BlockStored needs token_ids and a block_size")
+    if len(tokens) < len(hashes) * size:
+        raise MalformedEvents("BlockStored has fewer token ids than its blocks")
+    extra = fields.get("extra_keys")
+    first = extra[0] if isinstance(extra, list | tuple) and extra else None
+    return Stored(
+        hashes,
+        _hash_or_none(fields.get("parent_block_hash")),
+        tokens,
+        size,
+        _str(fields.get("lora_name")),
+        _str(fields.get("medium")),
+        tuple(first) if isinstance(first, list | tuple) else (),
+    )
+
+
+def _hashes(fields: Mapping[Any, Any]) -> tuple[Hashable, ...]:
+    hashes = fields.get("block_hashes")
+    if not isinstance(hashes, list | tuple) or not all(isinstance(h, int | bytes) for h in hashes):
+        raise MalformedEvents("block_hashes is a list of ints or bytes")
+    return tuple(hashes)
+
+
+def _hash_or_none(value: Any) -> Hashable | None:
+    if value is None or isinstance(value, int | bytes):
+        return value
+    raise MalformedEvents("parent_block_hash is an int, bytes or null")
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def instance_name(url: str, rank: int) -> str:
+    """An engine rank's name in ``KVIndex`` (each data-parallel rank has its own cache)."""
+    return f"{url}|{rank}"
+
+
+def root_key(lora_name: str | None, first_extra: tuple[Any, ...]) -> int:
+    """The key a prompt's first block chains to: its LoRA and cache salt."""
+    return hash(("pdproxy-kv-root", lora_name, first_extra))
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    limit: int = 4096,
+) -> tuple[int, ...]:
+    """The chained keys of a prompt's whole blocks (at most ``limit``), as ``KVIndex``
+    keys the engine's events. The first block's extra keys are vLLM's: the LoRA name,
+    then the cache salt."""
+    first: tuple[Any, ...] = tuple(k for k in (lora_name, cache_salt) if k is not None)
+    key = root_key(lora_name, first)
+    keys: list[int] = []
+    for start in range(0, min(len(token_ids) // block_size, limit) * block_size, block_size):
+        key = hash((key, tuple(token_ids[start : start + block_size])))
+        keys.append(key)
+    return tuple(keys)
+
+
+class KVIndex:
+    """Which engine (by URL) holds which blocks, exactly, from its events.
+
+    Bounded: at most ``max_blocks`` keys (LRU, as ``PrefixIndex``), and per engine at
+    most ``max_blocks`` engine hashes remembered for removals (the oldest go first: a
+    removal of a forgotten hash is a no-op, and the key then ages out of the LRU).
+    """
+
+    def __init__(self, max_blocks: int) -> None:
+        self.prefixes = PrefixIndex(max_blocks)
+        # engine ranks (``instance_name``) whose events are followed; of them, those the
+        # self-check trusts are ``live``: scored from this index, the others approximately
+        self.followed: set[str] = set()
+        self.live: set[str] = set()
+        self.live_version = 0  # bumped by every change of ``live``
+        self.check = SelfCheck()
+        self.max_blocks = max_blocks
+        self.block_size = 0  # learned from the first BlockStored
+        self._keys: dict[str, dict[Hashable, int]] = {}  # url -> engine hash -> own key
+        self.unchained = 0  # stored blocks whose parent this index never saw
+
+    def __len__(self) -> int:
+        return len(self.prefixes)
+
+    def apply(self, url: str, events: Sequence[Event]) -> None:
+        for event in events:
+            if isinstance(event, Stored):
+                self._store(url, event)
+            elif isinstance(event, Removed):
+                self._remove(url, event)
+            else:
+                self.clear(url)
+
+    def follow(self, name: str) -> None:
+        """``name``'s events are followed: score it from this index (once trusted)."""
+        self.followed.add(name)
+        if not self.check.distrusted(name):
+            self.live.add(name)
+        self.live_version += 1
+
+    def unfollow(self, name: str) -> None:
+        self.followed.discard(name)
+        self.live.discard(name)
+        self.check.forget(name)
+        self.live_version += 1
+
+    def verify(self, name: str, predicted: int, actual: int) -> None:
+        """The engine ``name`` found ``actual`` cached tokens where ``predicted`` were
+        expected (``kv_check``): it may lose or regain its place in ``live``."""
+        if name not in self.followed:
+            return
+        change = self.check.record(name, predicted, actual, self.block_size)
+        if change is True:
+            self.live.discard(name)
+        elif change is False:
+            self.live.add(name)
+        else:
+            return
+        self.live_version += 1
+
+    def clear(self, url: str) -> None:
+        """Everything ``url`` held is gone (its engine cleared or restarted, or it left)."""
+        self._keys.pop(url, None)
+        self.prefixes.forget(url)
+
+    def match(self, keys: tuple[int, ...]) -> dict[str, int]:
+        return self.prefixes.match(keys)
+
+    def _store(self, url: str, event: Stored) -> None:
+        known = self._keys.setdefault(url, {})
+        if event.parent is None:
+            key = root_key(event.lora_name, event.first_extra)
+        else:
+            parent = known.get(event.parent)
+            if parent is None:
+                self.unchained += len(event.block_hashes)
+                return
+            key = parent
+        self.block_size = event.block_size
+        size, tokens = event.block_size, event.token_ids
+        keys = []
+        for i, engine_hash in enumerate(event.block_hashes):
+            key = hash((key, tuple(tokens[i * size : (i + 1) * size])))
+            known[engine_hash] = key
+            keys.append(key)
+        self.prefixes.insert(keys, url)
+        while len(known) > self.max_blocks:
+            del known[next(iter(known))]
+
+    def _remove(self, url: str, event: Removed) -> None:
+        known = self._keys.get(url)
+        if not known:
+            return
+        keys = [k for k in map(known.pop, event.block_hashes, [None] * len(event.block_hashes))]
+        self.prefixes.remove([k for k in keys if k is not None], url)
