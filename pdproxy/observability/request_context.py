@@ -41,6 +41,7 @@ class RequestTrace:
     decode_url: str | None = None  # of the last decode leg sent
     decode_only: bool = False  # served by a decode alone, no prefill
     retries: int = 0  # legs sent again after a failed one
+    migrations: list[str] | None = None  # each mid-stream migration: from, after, to
     prefill_sent: float | None = None
     prefill_ended: float | None = None
     prefill_answered: float | None = None  # P's answer arrived whole (2xx)
@@ -96,6 +97,7 @@ class RequestTrace:
             "total_ms": _ms(self.started, self.finished),
             "bytes_sent": self.bytes_sent,
             "decode_only": self.decode_only,
+            "migrations": self.migrations,
         }
 
     def span_attributes(self) -> dict[str, AttributeValue]:
@@ -112,6 +114,7 @@ class RequestTrace:
             ("pdproxy.prefill.url", self.prefill_url),
             ("pdproxy.prefill.dp_rank", self.prefill_dp_rank),
             ("pdproxy.decode.url", self.decode_url),
+            ("pdproxy.migrations", "; ".join(self.migrations) if self.migrations else None),
         ):
             if value is not None:
                 attributes[key] = value
