@@ -75,9 +75,7 @@ class Stream:
 
 
 def payload(i: int, kind: str, *, usage: bool = False, **extra: Any) -> dict[str, Any]:
-    data = body(
-        i, stream=True, chat=kind == "chat", generate=kind == "generate", max_tokens=TOKENS
-    )
+    data = body(i, stream=True, chat=kind == "chat", generate=kind == "generate", max_tokens=TOKENS)
     if usage:
         data["stream_options"] = {"include_usage": True}
     data.update(extra)
@@ -101,8 +99,10 @@ async def answers(
         return list(
             await asyncio.wait_for(
                 asyncio.gather(
-                    *(stream(session, f.proxy.url, kind, payload(i, kind, usage=usage, **extra))
-                      for i in range(n))
+                    *(
+                        stream(session, f.proxy.url, kind, payload(i, kind, usage=usage, **extra))
+                        for i in range(n)
+                    )
                 ),
                 8.0,
             )
