@@ -20,6 +20,7 @@ from tests.faults.harness import (
     assert_settled,
     body,
     fleet,
+    wait_until,
 )
 
 pytestmark = pytest.mark.faults
@@ -202,4 +203,42 @@ async def test_a_non_streamed_request_whose_decode_dies_is_retried_whole():
                 async with session.post(f.proxy.url + "/v1/completions", json=data) as r:
                     assert r.status == 200
                     assert len((await r.json())["choices"][0]["text"].split()) == TOKENS
+        await assert_settled(f)
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+async def test_under_render_once_the_continuation_is_token_ids_and_the_stream_is_whole(kind):
+    async with fleet(proxy={"render_once": True}) as f:
+        want = await answers(f, kind, 4, usage=True)
+        f.decodes[0].set_faults(close_after_tokens=4)
+        got = await answers(f, kind, 4, usage=True)
+        assert_same(got, want, kind, True)
+        assert migrated(f) >= 1
+        assert f.metric("pdproxy_render_once_requests_total", served="rendered") == 8
+        await assert_settled(f)
+
+
+async def test_a_drain_with_migrate_moves_the_open_streams_now_and_each_completes():
+    async with fleet(decode_tps=25, proxy={"admin_api_key": "admin-key"}) as f:
+        want = await answers(f, "chat", 4, usage=True)
+        running = asyncio.ensure_future(answers(f, "chat", 4, usage=True))
+        drained = f.decodes[0]
+        await wait_until(
+            lambda: f.instance(drained).legs.in_flight > 0, timeout=2, what="streams on it"
+        )
+        await asyncio.sleep(0.1)  # a few tokens each
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f.proxy.url + "/instances/drain",
+                json={"instance": drained.url.removeprefix("http://"), "migrate": True},
+                headers={"X-API-Key": "admin-key"},
+            ) as r,
+        ):
+            assert r.status == 200, await r.text()
+            moved = (await r.json())["migrated_streams"]
+        assert moved >= 1
+        assert_same(await running, want, "chat", True)
+        assert migrated(f, "drain") == moved
+        assert f.instance(drained) is None  # drained: no leg left on it, it is gone
         await assert_settled(f)
