@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import random
 from typing import Any
 
@@ -13,6 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
+from pdproxy.observability.log import ACCESS_LOGGER
 from tests.faults.harness import (
     GENERATE,
     RETRY,
@@ -242,3 +244,16 @@ async def test_a_drain_with_migrate_moves_the_open_streams_now_and_each_complete
         assert migrated(f, "drain") == moved
         assert f.instance(drained) is None  # drained: no leg left on it, it is gone
         await assert_settled(f)
+
+
+async def test_the_access_line_shows_each_migration(caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    async with fleet() as f:
+        f.decodes[0].set_faults(close_after_tokens=3)
+        await answers(f, "completions", 4)
+        await assert_settled(f)
+    hops = [m for r in caplog.records if (m := getattr(r, "fields", {}).get("migrations"))]
+    assert hops and all(len(h) == 1 for h in hops)
+    origin, _, to = hops[0][0].partition(" -> ")
+    assert origin == f"{f.decodes[0].url} after 3 tokens (reset)"
+    assert to.endswith(f.decodes[1].url)
