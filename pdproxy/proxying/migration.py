@@ -51,6 +51,7 @@ class _Migrating:
 
     request: ClientRequest
     generated: Generated = field(default_factory=Generated)
+    folded: Generated = field(default_factory=Generated)  # of the current stream, so far
     migrations: int = 0
     avoid: set[str] = field(default_factory=set)  # the decodes it was cut on
 
@@ -83,7 +84,18 @@ class Migrations:
     def _arm(self, state: _Migrating, relay: StreamRelay) -> None:
         if relay.origin is not None:
             state.avoid.add(relay.origin)
-        relay.migrate_with(functools.partial(self._resume, state, relay.origin))
+        state.folded = Generated()
+        relay.migrate_with(
+            functools.partial(self._resume, state, relay.origin),
+            functools.partial(self._fold, state),
+        )
+
+    def _fold(self, state: _Migrating, stream: bytes) -> bool:
+        part = read_generated(state.request.kind, stream)
+        if part is None:
+            return False
+        state.folded.extend(part)
+        return True
 
     async def _resume(
         self, state: _Migrating, origin: str | None, stream: bytes, failure: ProxyError
@@ -126,9 +138,11 @@ class Migrations:
         """What the cut stream delivered, if it may migrate; else the outcome label."""
         if state.migrations >= self._limit:
             return "limit", None
-        part = read_generated(state.request.kind, stream)
-        if part is None:
+        last = read_generated(state.request.kind, stream)
+        if last is None:
             return "unreadable", None
+        part, state.folded = state.folded, Generated()
+        part.extend(last)
         left = remaining(state.request.kind, state.request.body, state.generated.tokens)
         if left is not None and part.tokens >= left:
             return "finished", None

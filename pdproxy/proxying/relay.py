@@ -23,6 +23,7 @@ from pdproxy.upstream.engine_client import UpstreamResponse
 _DONE = b"data: [DONE]"
 SSE_DONE = _DONE + b"\n\n"
 _TAIL = 32
+_FOLD_BYTES = 256 * 1024  # a resumable stream's kept bytes past this are folded (parsed)
 
 
 def sse_error_event(error: ProxyError) -> bytes:
@@ -71,6 +72,9 @@ class Continuation:
 # Called with what the cut stream delivered (the engine's bytes) and why it was cut; returns
 # its continuation, or None when the stream must end with the error event.
 Resume = Callable[[bytes, ProxyError], Awaitable[Continuation | None]]
+# Takes whole events of a long stream's kept bytes (so they need not be kept); False when
+# they show the stream cannot be continued.
+Fold = Callable[[bytes], bool]
 
 
 class StreamWatchdog:
@@ -157,6 +161,8 @@ class StreamRelay:
         self.origin: str | None = None  # the decode's URL, set by the leg that opened it
         self._resume: Resume | None = None
         self._kept: list[bytes] | None = None  # the engine's bytes, kept while resumable
+        self._kept_bytes = 0
+        self._fold: Fold | None = None
         self._inner: StreamRelay | None = None  # the continuation read in place of this
         self._rewrite: Callable[[bytes], bytes] | None = None
         self._clock = watchdog.clock
@@ -173,12 +179,14 @@ class StreamRelay:
         engine's own bytes, and the relay's error events pass untranslated."""
         self._translate = translate
 
-    def migrate_with(self, resume: Resume) -> None:
+    def migrate_with(self, resume: Resume, fold: Fold) -> None:
         """Continue this stream with ``resume`` if it is cut; from now on its bytes are
-        kept (a reference per chunk) for ``resume`` to read what was generated."""
-        self._resume = resume
+        kept (a reference per chunk) for ``resume`` to read what was generated, those of
+        a long stream handed to ``fold`` every ``_FOLD_BYTES`` so that memory stays bounded."""
+        self._resume, self._fold = resume, fold
         if self._kept is None:
             self._kept = [] if self._first is None else [self._first]
+            self._kept_bytes = sum(len(c) for c in self._kept)
 
     def relay_directly(self, write: Callable[[bytes], bool]) -> None:
         """From now on hand each chunk the engine sends to ``write`` in the engine
@@ -213,10 +221,29 @@ class StreamRelay:
         """A chunk came from the engine: the watchdog's clock, and the tail the end check
         reads (a token's chunk is longer than the marker: a reference, no copy)."""
         self.last_activity = self._clock()
-        if self._kept is not None:
-            self._kept.append(chunk)
+        kept = self._kept
+        if kept is not None:
+            kept.append(chunk)
+            self._kept_bytes += len(chunk)
+            if self._kept_bytes > _FOLD_BYTES:
+                self._fold_kept(kept)
         size = self._tail_size
         self._tail = chunk if len(chunk) >= size else (self._tail + chunk)[-size:]
+
+    def _fold_kept(self, kept: list[bytes]) -> None:
+        """Hand the kept bytes' whole events to the fold; keep the rest of the last one.
+        A fold that refuses them ends the stream's chance to migrate."""
+        data = b"".join(kept)
+        end = data.rfind(b"\n\n") + 2
+        fold = self._fold
+        if end < 2 or fold is None:
+            return
+        if not fold(data[:end]):
+            self._kept = self._resume = self._fold = None
+            return
+        rest = data[end:]
+        self._kept = [rest] if rest else []
+        self._kept_bytes = len(rest)
 
     def abort(self, failure: ProxyError) -> None:
         """Stop relaying because of ``failure`` (e.g. the concurrent prefill failed)."""

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from pdproxy.observability.log import ACCESS_LOGGER
+from pdproxy.proxying.migration import Migrations
 from tests.faults.harness import (
     GENERATE,
     RETRY,
@@ -242,7 +243,8 @@ async def test_a_drain_with_migrate_moves_the_open_streams_now_and_each_complete
         assert moved >= 1
         assert_same(await running, want, "chat", True)
         assert migrated(f, "drain") == moved
-        assert f.instance(drained) is None  # drained: no leg left on it, it is gone
+        # drained: no leg left on it, so it leaves the registry
+        await wait_until(lambda: f.instance(drained) is None, timeout=5, what="drained")
         await assert_settled(f)
 
 
@@ -257,3 +259,18 @@ async def test_the_access_line_shows_each_migration(caplog):
     origin, _, to = hops[0][0].partition(" -> ")
     assert origin == f"{f.decodes[0].url} after 3 tokens (reset)"
     assert to.endswith(f.decodes[1].url)
+
+
+async def test_a_long_stream_s_kept_bytes_are_folded_and_it_still_migrates_exactly(monkeypatch):
+    folds = []
+    fold = Migrations._fold
+    monkeypatch.setattr(Migrations, "_fold", lambda *a: folds.append(1) or fold(*a))
+    async with fleet() as f:
+        long = {"max_tokens": 2400}
+        want = await answers(f, "completions", 2, **long)
+        f.decodes[0].set_faults(close_after_tokens=2000)  # past the 256 KiB fold
+        got = await answers(f, "completions", 2, **long)
+        for g, w in zip(got, want, strict=True):
+            assert g.error is None and g.content == w.content and len(g.content) == 2400
+        assert migrated(f) >= 1 and folds
+        await assert_settled(f)
