@@ -314,21 +314,21 @@ class StreamRelay:
 
     async def _cut(self, error: UpstreamError) -> bytes | None:
         """The stream was cut: continue it elsewhere if it may be, else its error event."""
-        resume, self._resume = self._resume, None
-        if resume is None or self._kept is None:
+        resume, kept = self._resume, self._kept
+        self._resume = self._kept = self._fold = None
+        if resume is None or kept is None:
             return self._fail(error)
-        failure = self._failure or error
-        continuation = await resume(b"".join(self._kept), failure)
-        if continuation is None:
-            return self._fail(error)
-        # The cut leg ends now (uncounted, judged by its failure); the continuation's
-        # relay owns its own leg and is read from here on.
-        self._failure, self._kept = failure, None
+        # The cut leg ends now (uncounted, judged by its failure), before the continuation's
+        # legs are sent; the continuation's relay owns its own leg and is read from here on.
+        self._failure = failure = self._failure or error
         self._watchdog.forget(self)
         self._upstream.close()
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
             on_close()
+        continuation = await resume(b"".join(kept), failure)
+        if continuation is None:
+            return self._fail(error)
         self._failure = None
         self._inner, self._rewrite = continuation.relay, continuation.rewrite
         return await self._next_continued(continuation.relay)

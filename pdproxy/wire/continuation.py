@@ -160,7 +160,7 @@ def _read_choice(kind: ApiKind, choice: dict[str, Any], generated: Generated) ->
         delta = choice.get("delta")
         if not isinstance(delta, dict):
             return False
-        if any(v is not None for k, v in delta.items() if k not in _PLAIN_DELTA):
+        if any(v for k, v in delta.items() if k not in _PLAIN_DELTA):  # tool_calls: [] is plain
             return False
         text = delta.get("content")
     else:

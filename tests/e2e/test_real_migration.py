@@ -44,7 +44,8 @@ QUESTION = "Write a long story about a lighthouse keeper and a storm at sea."
 @pytest.fixture(scope="module")
 def doomed_decode() -> Iterator[Engine]:
     """A second decode, this module's own: the one killed."""
-    with extra_engine("decode", model=SMOLLM2, cpu_bind="0", extra_args=SHARED_FLAGS) as engine:
+    options = {"model": SMOLLM2, "cpu_bind": "0", "extra_args": SHARED_FLAGS, "timeout": 600}
+    with extra_engine("decode", **options) as engine:
         yield engine
 
 
