@@ -274,3 +274,17 @@ async def test_a_long_stream_s_kept_bytes_are_folded_and_it_still_migrates_exact
             assert g.error is None and g.content == w.content and len(g.content) == 2400
         assert migrated(f) >= 1 and folds
         await assert_settled(f)
+
+
+@pytest.mark.parametrize("kind", ["chat", "generate"])
+async def test_a_decode_killed_mid_stream_migrates_and_the_stream_is_whole(kind):
+    async with fleet(decode_tps=50) as f:
+        want = await answers(f, kind, 4, usage=True)
+        running = asyncio.ensure_future(answers(f, kind, 4, usage=True))
+        dead = f.decodes[0]
+        await wait_until(lambda: f.instance(dead).legs.in_flight > 0, timeout=2, what="streams")
+        await asyncio.sleep(0.08)  # a few tokens each
+        await dead.kill()
+        assert_same(await running, want, kind, True)
+        assert migrated(f) >= 1
+        await assert_settled(f)
