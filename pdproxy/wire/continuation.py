@@ -52,11 +52,26 @@ _STRUCTURED = (
 _PLAIN_DELTA = frozenset({"role", "content"})
 
 
+# Every field ``not_migratable`` reads: a body with none of them (the usual one) is decided
+# by one set intersection.
+_CHECKED = frozenset(
+    {"n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "return_token_ids"}
+    | {"response_format", "tools", *_STRUCTURED}
+)
+
+
+_GENERATE, _COMPLETIONS = ApiKind.GENERATE, ApiKind.COMPLETIONS  # once per request: no lookups
+
+
 def not_migratable(kind: ApiKind, body: Mapping[str, Any]) -> str | None:
     """Why a streamed request's continuation could not be exact in kind (None: it can)."""
-    options = body.get(SAMPLING_PARAMS) if kind is ApiKind.GENERATE else body
+    options = body.get(SAMPLING_PARAMS) if kind is _GENERATE else body
     if not isinstance(options, Mapping):
         return "body"
+    if _CHECKED.isdisjoint(body) and (options is body or _CHECKED.isdisjoint(options)):
+        if kind is _COMPLETIONS and _prompt_text(body.get(PROMPT)) is None:
+            return "prompt"
+        return None
     if (read_int(options.get("n"), 1) or 1) > 1 or (read_int(options.get("best_of"), 1) or 1) > 1:
         return "n"
     if _asks_logprobs(kind, options) or options.get("prompt_logprobs") is not None:

@@ -1,9 +1,9 @@
 """Mid-stream migration on real vLLM CPU engines serving SmolLM2-135M-Instruct: one prefill
-and two decodes (the session's NIXL pair and a decode of this module's own, the one killed).
+and two decodes, this module's own (it kills one), started once for the module.
 
 Three greedy streams start on the module's decode alone, through two pdproxies in front of
 the same engines: the token-in path (``/inference/v1/generate``) and the text path's chat on
-one, chat under ``--render-once`` on the other. The session pair's decode is then added
+one, chat under ``--render-once`` on the other. The pair's decode is then added
 through the admin API and the module's decode is SIGKILLed once every stream has about ten
 tokens: every stream migrates to the other decode and arrives complete, the token-in and
 render-once answers equal to a single engine's answer, the text path's complete (see
@@ -24,7 +24,7 @@ import orjson
 import pytest
 
 from engines.vllm.engine import Engine
-from engines.vllm.launch import SMOLLM2, EnginePair
+from engines.vllm.launch import SMOLLM2, EnginePair, vllm_engines
 from engines.vllm.lifecycle import extra_engine
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.types import EngineAddress
@@ -41,12 +41,18 @@ KEY = "migration-admin-key"
 QUESTION = "Write a long story about a lighthouse keeper and a storm at sea."
 
 
+START_TIMEOUT = 900  # seconds: on a loaded two-core machine three start-ups take long
+
+
 @pytest.fixture(scope="module")
-def doomed_decode() -> Iterator[Engine]:
-    """A second decode, this module's own: the one killed."""
-    options = {"model": SMOLLM2, "cpu_bind": "0", "extra_args": SHARED_FLAGS, "timeout": 600}
-    with extra_engine("decode", **options) as engine:
-        yield engine
+def engines() -> Iterator[tuple[EnginePair, Engine]]:
+    """A NIXL pair and a second decode (the one killed), with the session pairs' flags."""
+    options: dict[str, Any] = {"model": SMOLLM2, "extra_args": SHARED_FLAGS}
+    with (
+        vllm_engines(connector="nixl", timeout=START_TIMEOUT, **options) as pair,
+        extra_engine("decode", cpu_bind="0", timeout=START_TIMEOUT, **options) as doomed,
+    ):
+        yield pair, doomed
 
 
 def _config(pair: EnginePair, decode: Engine, render_once: bool) -> ProxyConfig:
@@ -154,9 +160,9 @@ def _routable(proxy: RunningProxy, url: str) -> bool:
 
 
 async def test_a_killed_decode_s_streams_complete_on_the_other(
-    smollm2_nixl: EnginePair, doomed_decode: Engine
+    engines: tuple[EnginePair, Engine],
 ) -> None:
-    pair = smollm2_nixl
+    pair, doomed_decode = engines
     status, raw = await post(
         pair.decode_url, "/tokenize", {"model": pair.model, "prompt": QUESTION}
     )
