@@ -163,12 +163,12 @@ async def test_a_killed_decode_s_streams_complete_on_the_other(
     engines: tuple[EnginePair, Engine],
 ) -> None:
     pair, doomed_decode = engines
-    status, raw = await post(
-        pair.decode_url, "/tokenize", {"model": pair.model, "prompt": QUESTION}
-    )
+    # the chat's prompt as token ids (its template applied), for the token-in path
+    tokenize = {"model": pair.model, "messages": _chat(pair, False)["messages"]}
+    status, raw = await post(pair.decode_url, "/tokenize", tokenize)
     assert status == 200, raw
     ids = orjson.loads(raw)["tokens"]
-    # a single engine's answers (the session decode, alone)
+    # a single engine's answers (the pair's decode, alone)
     status, raw = await post(pair.decode_url, GENERATE, _generate(pair, ids, False))
     assert status == 200, raw
     want_ids = orjson.loads(raw)["choices"][0]["token_ids"]
