@@ -383,5 +383,6 @@ def extra_engine(
     finally:
         for engine in started:
             engine.stop(timeout=10)
+            engine.alive()  # polls its Popen: a leader killed meanwhile is reaped
         cleanup_state(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)

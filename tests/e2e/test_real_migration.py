@@ -199,6 +199,7 @@ async def test_a_killed_decode_s_streams_complete_on_the_other(
         await wait_until(lambda: all(s.tokens >= CUT_AFTER for s in streams.values()), 120, 0.02)
         cut_at = {name: s.tokens for name, s in streams.items()}
         os.killpg(doomed_decode.pid, signal.SIGKILL)
+        await wait_until(lambda: not doomed_decode.alive(), 30)  # dead, and reaped
         await asyncio.wait_for(asyncio.gather(*readers), 300)
 
         for name, stream in streams.items():
