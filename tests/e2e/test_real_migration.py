@@ -27,6 +27,7 @@ from engines.vllm.engine import Engine
 from engines.vllm.launch import SMOLLM2, EnginePair, vllm_engines
 from engines.vllm.lifecycle import extra_engine
 from pdproxy.config.proxy import ProxyConfig
+from pdproxy.config.resilience import HealthConfig
 from pdproxy.types import EngineAddress
 from tests.e2e.conftest import SHARED_FLAGS, post, wait_until
 from tests.servers import RunningProxy, running_proxy
@@ -62,6 +63,8 @@ def _config(pair: EnginePair, decode: Engine, render_once: bool) -> ProxyConfig:
         kv_connector=pair.connector,
         render_once=render_once,
         admin_api_key=KEY,
+        # three engines on two loaded cores answer probes slowly: only a dead one may fail them
+        health=HealthConfig(timeout=30.0, failure_threshold=10),
     )
 
 
