@@ -10,7 +10,10 @@ both the switch-over and the steady state:
    is started again on the same ports and the time until pdproxy routes to it again is
    measured twice: from pdproxy's ``/status`` (``instances[].routable``, polled every 50 ms)
    and from the sim's own ``requests_received`` counter;
-3. one of two prefills hangs (``{"hang": true}``); pdproxy gets ``--prefill-timeout-secs 2``.
+3. one of two prefills hangs (``{"hang": true}``); pdproxy gets ``--prefill-timeout-secs 2``;
+4. one of two decodes is killed (SIGKILL) mid-stream, every request streamed with
+   ``--mid-stream-tokens`` tokens: with mid-stream migration (the default) and without
+   (``--migration-limit 0``), the streams that complete.
 
 A request succeeds only with HTTP 200 and a whole answer (JSON with choices, or a stream of
 JSON events without ``error`` ending in ``data: [DONE]``); each has a client timeout.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import shlex
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -75,6 +79,7 @@ class Options:
     baseline: bool
     rotation_timeout: float
     logdir: str
+    mid_stream_tokens: int = 100
 
     def proxy_args(self, wanted: dict[str, str], notes: list[str]) -> list[str]:
         """The flags a row wants, or with --baseline every fault-tolerance feature off."""
@@ -310,10 +315,52 @@ async def requests_received(ctl: aiohttp.ClientSession, sim: Sim) -> int:
     return 0
 
 
+async def rows_decode_killed_mid_stream(o: Options) -> list[Row]:
+    """Long streams only; one decode killed while they run, with migration on and off."""
+    streams = dataclasses.replace(o, spec=dataclasses.replace(o.spec, stream="all"))
+    streams = dataclasses.replace(
+        streams, spec=dataclasses.replace(streams.spec, max_tokens=o.mid_stream_tokens)
+    )
+    rows = []
+    for name, flags in (("on", {}), ("off", {"--migration-limit": "0"})):
+        notes: list[str] = []
+        async with setup(streams, flags, notes) as (f, ctl, watch):
+            victim = f.decodes[1]
+
+            async def kill(victim: Sim = victim) -> None:
+                victim.kill()
+
+            before = await retries_total(ctl, f.proxy_url)
+            outcomes, fault = await batch_with_fault(streams, f.proxy_url, kill)
+            after = await retries_total(ctl, f.proxy_url)
+            migrated = await migrations_total(ctl, f.proxy_url)
+        row = Row(
+            f"4{'ab'[name == 'off']}. a decode killed mid-stream, migration {name}",
+            summarize(outcomes),
+            delta(before, after),
+            notes=[*notes, f"streams migrated: {migrated:.0f}"],
+        )
+        row.unroutable = unroutable_after(watch, victim, fault)
+        rows.append(row)
+    return rows
+
+
+async def migrations_total(ctl: aiohttp.ClientSession, proxy_url: str) -> float:
+    """pdproxy's ``pdproxy_migrations_total{outcome="migrated"}``, summed over reasons."""
+    async with ctl.get(proxy_url + "/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdproxy_migrations_total{") and 'outcome="migrated"' in line
+    )
+
+
 ROWS: dict[str, Callable[[Options], Awaitable[list[Row]]]] = {
     "1": row_decode_503,
     "2": rows_decode_killed,
     "3": row_prefill_hang,
+    "4": rows_decode_killed_mid_stream,
 }
 
 COLUMNS = (
@@ -387,6 +434,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true", help="No fault-tolerance flags.")
     p.add_argument("--proxy-args", default="", help='Extra pdproxy flags, e.g. "--max-retries 3".')
     p.add_argument("--rotation-timeout", type=float, default=60.0)
+    p.add_argument("--mid-stream-tokens", type=int, default=100, help="Row 4's max_tokens.")
     p.add_argument("--logdir", default=None, help="Keep the servers' logs here.")
     return p.parse_args()
 
@@ -402,6 +450,7 @@ def options(args: argparse.Namespace, logdir: str) -> Options:
         baseline=args.baseline,
         rotation_timeout=args.rotation_timeout,
         logdir=logdir,
+        mid_stream_tokens=args.mid_stream_tokens,
     )
 
 

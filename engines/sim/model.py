@@ -25,7 +25,6 @@ _WORDS = (
     "packet socket stream buffer kernel thread cache block token prefill decode proxy"
 )
 VOCAB: tuple[str, ...] = tuple(_WORDS.split())
-_VOCAB_BYTES: tuple[bytes, ...] = tuple(w.encode() for w in VOCAB)
 
 
 @functools.lru_cache(maxsize=65536)  # a pure function; the cache only saves hashing
@@ -43,6 +42,9 @@ def tokenize(text: str) -> list[int]:
 def words(text: str) -> list[str]:
     """The pieces ``tokenize`` makes of ``text`` (vLLM's ``token_strs``)."""
     return _WORD_RE.findall(text)
+
+
+_VOCAB_IDS: tuple[int, ...] = tuple(token_id(w) for w in VOCAB)
 
 
 # The ids are hashes, so detokenizing needs the words back: the generated vocabulary, and
@@ -113,13 +115,18 @@ def compute_kv(tokens: Sequence[int], served: str = DEFAULT_MODEL) -> list[bytes
 
 
 def decode_words(last_kv: bytes) -> Iterator[str]:
-    """The endless stream of generated words after a prompt whose last KV entry is last_kv."""
+    """The endless stream of generated words after a prompt whose last KV entry is last_kv.
+
+    Autoregressive: the state after a word is that word's KV entry chained on the context
+    (``_step``), so a prompt extended by the first k generated tokens decodes exactly the
+    rest of the uninterrupted answer (a migrated stream's continuation).
+    """
     state = last_kv
-    n, blake, size = len(VOCAB), hashlib.blake2b, KV_BYTES_PER_TOKEN
+    n = len(VOCAB)
     while True:
         i = int.from_bytes(state[:4], "big") % n
         yield VOCAB[i]
-        state = blake(state + _VOCAB_BYTES[i], digest_size=size).digest()
+        state = _step(state, _VOCAB_IDS[i])
 
 
 def pack_blocks(kv: Sequence[bytes], block_size: int) -> list[bytes]:
@@ -136,12 +143,26 @@ def unpack_blocks(blocks: Sequence[bytes]) -> list[bytes]:
 ASSISTANT_OPENER = "<|im_start|>assistant\n"
 
 
-def render_chat(messages: Sequence[dict[str, object]]) -> str:
-    """A ChatML-like template with the assistant turn opened."""
+def render_chat(
+    messages: Sequence[dict[str, object]],
+    *,
+    generation_prompt: bool = True,
+    continue_final: bool = False,
+) -> str:
+    """A ChatML-like template with the assistant turn opened; as vLLM's
+    ``continue_final_message``, ``continue_final`` leaves the last message open (no end
+    marker, no new turn) so generation continues its text."""
+    if generation_prompt and continue_final:
+        raise ValueError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
     parts = []
-    for msg in messages:
-        parts.append(f"<|im_start|>{msg.get('role', 'user')}\n{_content_text(msg)}<|im_end|>\n")
-    parts.append(ASSISTANT_OPENER)
+    last = len(messages) - 1
+    for i, msg in enumerate(messages):
+        head = f"<|im_start|>{msg.get('role', 'user')}\n{_content_text(msg)}"
+        parts.append(head if continue_final and i == last else head + "<|im_end|>\n")
+    if generation_prompt:
+        parts.append(ASSISTANT_OPENER)
     return "".join(parts)
 
 

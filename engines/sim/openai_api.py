@@ -179,7 +179,13 @@ def _prompt_tokens(kind: Kind, body: dict[str, Any]) -> list[int]:
         if not all(isinstance(m, dict) for m in messages):
             raise RequestValidationError("messages: each message must be an object")
         try:
-            return model.tokenize(model.render_chat(messages))
+            return model.tokenize(
+                model.render_chat(
+                    messages,
+                    generation_prompt=_lax(_BOOL, body.get("add_generation_prompt"), True),
+                    continue_final=_lax(_BOOL, body.get("continue_final_message"), False),
+                )
+            )
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
     return _completion_prompt(body.get("prompt"))

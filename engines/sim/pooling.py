@@ -158,13 +158,12 @@ def _check_model(body: dict[str, Any], cfg: SimConfig) -> None:
 def _chat_text(messages: Any, body: dict[str, Any]) -> str:
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise RequestValidationError("messages: a list of message objects is required")
+    final = bool(body.get("continue_final_message"))
+    opener = body.get("add_generation_prompt", True) is not False and not final
     try:
-        text = model.render_chat(messages)
+        return model.render_chat(messages, generation_prompt=opener, continue_final=final)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
-    if body.get("add_generation_prompt", True) is False or body.get("continue_final_message"):
-        text = text.removesuffix(model.ASSISTANT_OPENER)
-    return text
 
 
 def _inputs(body: dict[str, Any]) -> list[list[int]]:

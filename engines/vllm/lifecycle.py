@@ -348,3 +348,48 @@ def vllm_engines(
         pair.stop()
         if made_tmp and not keep_run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def extra_engine(
+    role: str,
+    connector: str = "nixl",
+    *,
+    model: str | None = None,
+    cpu_bind: str = "1",
+    extra_args: Sequence[str] = (),
+    timeout: float = 300.0,
+) -> Iterator[Engine]:
+    """One more engine beside a pair (a second decode, say), with a pair's defaults, on free
+    ports in a fresh run dir; stopped (its whole process family) and the dir removed on exit.
+    """
+    settings = Settings.from_env()
+    if model is not None:
+        settings = settings.with_model(model)
+    _check_prepared(settings, ensure=True)
+    base = settings.cache_dir / "run"
+    base.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{connector}-{role}-", dir=base))
+    port, side_channel = free_ports(2)
+    _prepare_run_dir(run_dir, [port, side_channel])
+    options: dict[str, Any] = dict(
+        shared_storage_path=None,
+        max_model_len=None,
+        block_size=32,
+        kv_cache_gib=1,
+        kv_lease_duration=None,
+        nixl_prog_thread=False,
+        extra_args=extra_args,
+    )
+    started: list[Engine] = []
+    try:
+        spec = EngineSpec(role, port, cpu_bind, side_channel)
+        _spawn(settings, spec, connector, run_dir, options, started=started)
+        wait_healthy(started, timeout=timeout)
+        yield started[0]
+    finally:
+        for engine in started:
+            engine.stop(timeout=10)
+            engine.alive()  # polls its Popen: a leader killed meanwhile is reaped
+        cleanup_state(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)

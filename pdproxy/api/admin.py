@@ -1,4 +1,5 @@
-"""The admin API: add, drain and list instances. Guarded by ``X-API-Key``.
+"""The admin API: add, drain (its open streams migrated, if asked) and list instances.
+Guarded by ``X-API-Key``.
 
 Compatible with vLLM's disagg_proxy_demo.py (``POST /instances/add {"type", "instance"}``)
 and safer: never open by default, constant-time key comparison, validated addresses (with
@@ -113,16 +114,25 @@ async def _check_stated_models(state: AppState, url: str, stated: object) -> Non
 
 
 @router.post("/remove")
+@router.post("/drain")
 async def remove_instance(request: Request) -> Response:
+    """Drain an instance; with ``"migrate": true`` its open streams move to other decodes
+    now (each that may migrate) instead of finishing there."""
     state = _authorize(request)
     body = await _json_body(request)
     host, port = _address(body.get("instance"))
+    migrate = body.get("migrate", False)
+    if not isinstance(migrate, bool):
+        raise AdminError(400, "'migrate' must be true or false")
     url = format_url("http", host, port)
     endpoint = (
         await state.owner_link.drain(url) if state.owner_link else state.membership.drain(url)
     )
     instance = describe(endpoint, state.outliers, now=state.clock())
-    return json_response({"status": "draining", "instance": instance})
+    answer: dict[str, Any] = {"status": "draining", "instance": instance}
+    if migrate:
+        answer["migrated_streams"] = state.orchestrator.migrate_streams(endpoint.url)
+    return json_response(answer)
 
 
 @router.get("")

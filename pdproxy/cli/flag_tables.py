@@ -20,6 +20,13 @@ RESILIENCE_FLAGS = (
         type=int,
     ),
     Flag(
+        names=("--migration-limit",),
+        group=RESILIENCE,
+        help="Times a stream cut mid-answer may continue on another decode (0: never).",
+        field="retry.migration_limit",
+        type=int,
+    ),
+    Flag(
         names=("--prefill-timeout-secs",),
         group=RESILIENCE,
         help="Seconds a prefill leg may take in all before it is retried elsewhere.",

@@ -19,6 +19,8 @@ class RetryConfig:
     """
 
     max_retries: int = 2
+    # streams continued on another decode after a mid-stream cut, per request (0: off)
+    migration_limit: int = 2
     budget_ratio: float = 0.2
     budget_window: float = 10.0
     budget_min_per_sec: float = 5.0
@@ -30,6 +32,8 @@ class RetryConfig:
     def __post_init__(self) -> None:
         if self.max_retries < 0:
             raise ConfigError("--max-retries must be >= 0")
+        if self.migration_limit < 0:
+            raise ConfigError("--migration-limit must be >= 0")
         if self.budget_ratio < 0 or self.budget_min_per_sec < 0 or self.budget_window <= 0:
             raise ConfigError("the retry budget's ratio and floor must be >= 0, its window > 0")
         if not 0 <= self.initial_backoff <= self.max_backoff:

@@ -235,6 +235,13 @@ class ProxyMetrics:
             ("leg",),
             registry=registry,
         )
+        self.migrations = Counter(
+            "pdproxy_migrations_total",
+            "Streams cut mid-answer (reason: reset, timeout, drain) and what became of them"
+            " (outcome: migrated, failed, limit, budget, unreadable, finished).",
+            ("reason", "outcome"),
+            registry=registry,
+        )
         self.ejections = Counter(
             "pdproxy_ejections_total",
             "Instances taken out of rotation by outlier ejection (passive health).",

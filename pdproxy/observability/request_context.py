@@ -44,6 +44,7 @@ class RequestTrace:
     predicted_prefill_cached: int | None = None
     predicted_decode_cached: int | None = None
     retries: int = 0  # legs sent again after a failed one
+    migrations: list[str] | None = None  # each mid-stream migration: from, after, to
     prefill_sent: float | None = None
     prefill_ended: float | None = None
     prefill_answered: float | None = None  # P's answer arrived whole (2xx)
@@ -99,6 +100,7 @@ class RequestTrace:
             "total_ms": _ms(self.started, self.finished),
             "bytes_sent": self.bytes_sent,
             "decode_only": self.decode_only,
+            "migrations": self.migrations,
             **self._predicted(),
         }
 
@@ -127,6 +129,7 @@ class RequestTrace:
             ("pdproxy.decode.url", self.decode_url),
             ("pdproxy.prefill.predicted_cached_tokens", self.predicted_prefill_cached),
             ("pdproxy.decode.predicted_cached_tokens", self.predicted_decode_cached),
+            ("pdproxy.migrations", "; ".join(self.migrations) if self.migrations else None),
         ):
             if value is not None:
                 attributes[key] = value

@@ -70,6 +70,10 @@ class Legs:
     def start(self) -> None:
         self._watchdog.start()
 
+    def abort_streams(self, origin: str, failure: ProxyError) -> int:
+        """End every stream read from the decode ``origin`` with ``failure``."""
+        return self._watchdog.abort_from(origin, failure)
+
     async def aclose(self) -> None:
         await cancel(*self._background)
         await self._watchdog.aclose()
@@ -218,6 +222,7 @@ class Legs:
         """Wait for the stream's first bytes; from then on the relay owns the leg (and
         uncounts it when it closes). Raises with the leg uncounted."""
         relay = StreamRelay(upstream, lambda: None, self._watchdog)
+        relay.origin = leg.endpoint.url
         try:
             await relay.prime()
         except BaseException:

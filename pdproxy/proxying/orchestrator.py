@@ -9,7 +9,8 @@ otherwise the pair is re-run with a fresh transfer, and the prefill's KV, which 
 will read, is released (``KVRelease``). Once every instance of a role was tried, the next
 pass waits an exponential backoff with jitter. The retry run itself (the limits, the
 instances excluded, the backoff) is ``Retries``, shared with the pass-through; this module
-keeps what one attempt does.
+keeps what one attempt does. A stream cut after its first bytes may continue on another
+decode (``Migrations``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs
 from pdproxy.proxying.lora_demand import LoraOnDemand
+from pdproxy.proxying.migration import MigrationRequested, Migrations
 from pdproxy.proxying.retries import Retries, RetryRun
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget, retry_reason
@@ -50,6 +52,7 @@ class _Run(RetryRun):
     """One request's retry state, and the decode it holds while its prefill runs."""
 
     reserved: Endpoint | None = None  # the decode waiting on this request's prefill
+    avoid: frozenset[str] = frozenset()  # decodes a migrated stream was cut on
 
     def reserve(self, decode: Endpoint) -> None:
         """Count the request on its decode while the prefill runs: a burst must not herd
@@ -117,6 +120,9 @@ class Orchestrator:
             rng=rng,
         )
         self._metrics = metrics
+        self._migrations = Migrations(
+            limit=retry.migration_limit, budget=budget, metrics=metrics, serve=self._serve
+        )
 
     def start(self) -> None:
         self._legs.start()
@@ -125,8 +131,22 @@ class Orchestrator:
         await self._legs.aclose()
 
     async def handle(self, request: ClientRequest) -> ProxyResponse:
+        response = await self._serve(request, frozenset())
+        if response.stream is not None:
+            self._migrations.watch(request, response.stream)
+        return response
+
+    def migrate_streams(self, url: str) -> int:
+        """Cut the streams read from the decode ``url`` now, so that each migrates (if it
+        may) instead of finishing there; returns how many were cut."""
+        return self._legs.abort_streams(url, MigrationRequested(url))
+
+    async def _serve(self, request: ClientRequest, avoid: frozenset[str]) -> ProxyResponse:
+        """``request`` on a pair whose decode is none of ``avoid``, with its retries."""
         retries = self._retries.begin()
-        run = _Run(self._scheduler.features(request.body, request.session), retries)
+        run = _Run(self._scheduler.features(request.body, request.session), retries, avoid=avoid)
+        if avoid:
+            run.tried[Role.DECODE] = set(avoid)
         try:
             if self._lora is not None:
                 await self._lora.ensure(run.features)
@@ -268,7 +288,8 @@ class Orchestrator:
         # The instances serving the request's model (one dict hit): its P and D agree.
         snapshot = self._registry.pools().require(run.features.model)
         view = Snapshot(
-            prefill=self._usable(snapshot.prefill, ()), decode=self._usable(snapshot.decode, ())
+            prefill=self._usable(snapshot.prefill, ()),
+            decode=self._usable(snapshot.decode, run.avoid),
         )
         decision = self._scheduler.schedule(run.features, view)
         if isinstance(decision, PairDecision):

@@ -3,14 +3,16 @@
 The only inspection is the stream's tail: a vLLM completions or chat stream always ends
 with ``data: [DONE]`` (a Responses API stream with its terminal event: ``Framing``), so a
 stream that ends without it was cut, and the client gets one OpenAI-style error event
-instead of a silent truncation.
+instead of a silent truncation, unless a ``Resume`` hook continues it on another decode
+(``migrate_with``): the relay then reads the continuation's stream in place of the cut one,
+its events rewritten so that the client sees one stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -21,6 +23,7 @@ from pdproxy.upstream.engine_client import UpstreamResponse
 _DONE = b"data: [DONE]"
 SSE_DONE = _DONE + b"\n\n"
 _TAIL = 32
+_FOLD_BYTES = 256 * 1024  # a resumable stream's kept bytes past this are folded (parsed)
 
 
 def sse_error_event(error: ProxyError) -> bytes:
@@ -57,6 +60,23 @@ RESPONSES_SSE = Framing(
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """A cut stream's continuation: the relay of its stream (primed), and what makes its
+    bytes read as the cut stream's."""
+
+    relay: StreamRelay
+    rewrite: Callable[[bytes], bytes]
+
+
+# Called with what the cut stream delivered (the engine's bytes) and why it was cut; returns
+# its continuation, or None when the stream must end with the error event.
+Resume = Callable[[bytes, ProxyError], Awaitable[Continuation | None]]
+# Takes whole events of a long stream's kept bytes (so they need not be kept); False when
+# they show the stream cannot be continued.
+Fold = Callable[[bytes], bool]
+
+
 class StreamWatchdog:
     """Aborts streams whose engine stayed silent longer than ``idle_timeout``.
 
@@ -76,6 +96,14 @@ class StreamWatchdog:
 
     def forget(self, relay: StreamRelay) -> None:
         self._streams.discard(relay)
+
+    def abort_from(self, origin: str, failure: ProxyError) -> int:
+        """Abort every stream read from the decode ``origin`` (a drain that migrates them:
+        each is continued elsewhere if it may be); returns how many."""
+        streams = [r for r in self._streams if r.origin == origin]
+        for relay in streams:
+            relay.abort(failure)
+        return len(streams)
 
     def sweep(self) -> None:
         deadline = self.clock() - self.idle_timeout
@@ -130,6 +158,13 @@ class StreamRelay:
         self._translate: Callable[[bytes], bytes] | None = None
         self._write: Callable[[bytes], bool] | None = None  # relay_directly's
         self.pushed = 0  # bytes handed to it
+        self.origin: str | None = None  # the decode's URL, set by the leg that opened it
+        self._resume: Resume | None = None
+        self._kept: list[bytes] | None = None  # the engine's bytes, kept while resumable
+        self._kept_bytes = 0
+        self._fold: Fold | None = None
+        self._inner: StreamRelay | None = None  # the continuation read in place of this
+        self._rewrite: Callable[[bytes], bytes] | None = None
         self._clock = watchdog.clock
         self.last_activity = self._clock()
         watchdog.watch(self)
@@ -144,6 +179,15 @@ class StreamRelay:
         engine's own bytes, and the relay's error events pass untranslated."""
         self._translate = translate
 
+    def migrate_with(self, resume: Resume, fold: Fold) -> None:
+        """Continue this stream with ``resume`` if it is cut; from now on its bytes are
+        kept (a reference per chunk) for ``resume`` to read what was generated, those of
+        a long stream handed to ``fold`` every ``_FOLD_BYTES`` so that memory stays bounded."""
+        self._resume, self._fold = resume, fold
+        if self._kept is None:
+            self._kept = [] if self._first is None else [self._first]
+            self._kept_bytes = sum(len(c) for c in self._kept)
+
     def relay_directly(self, write: Callable[[bytes], bool]) -> None:
         """From now on hand each chunk the engine sends to ``write`` in the engine
         connection's own callback: no future, task step or ASGI message per token.
@@ -154,7 +198,12 @@ class StreamRelay:
         that ends with ``[DONE]``) and its end always come from ``next_chunk``, so the
         caller ends the response; a translated stream is never relayed this way.
         """
-        if self._translate is None and not self._done and self._first is None:
+        if (
+            self._translate is None
+            and not self._done
+            and self._first is None
+            and self._inner is None
+        ):
             self._write = write
             self._upstream.push_to(self._push)
 
@@ -172,11 +221,35 @@ class StreamRelay:
         """A chunk came from the engine: the watchdog's clock, and the tail the end check
         reads (a token's chunk is longer than the marker: a reference, no copy)."""
         self.last_activity = self._clock()
+        kept = self._kept
+        if kept is not None:
+            kept.append(chunk)
+            self._kept_bytes += len(chunk)
+            if self._kept_bytes > _FOLD_BYTES:
+                self._fold_kept(kept)
         size = self._tail_size
         self._tail = chunk if len(chunk) >= size else (self._tail + chunk)[-size:]
 
+    def _fold_kept(self, kept: list[bytes]) -> None:
+        """Hand the kept bytes' whole events to the fold; keep the rest of the last one.
+        A fold that refuses them ends the stream's chance to migrate."""
+        data = b"".join(kept)
+        end = data.rfind(b"\n\n") + 2
+        fold = self._fold
+        if end < 2 or fold is None:
+            return
+        if not fold(data[:end]):
+            self._kept = self._resume = self._fold = None
+            return
+        rest = data[end:]
+        self._kept = [rest] if rest else []
+        self._kept_bytes = len(rest)
+
     def abort(self, failure: ProxyError) -> None:
         """Stop relaying because of ``failure`` (e.g. the concurrent prefill failed)."""
+        if self._inner is not None:
+            self._inner.abort(failure)
+            return
         self._failure = failure
         self._upstream.close()
 
@@ -217,6 +290,8 @@ class StreamRelay:
                 return chunk
 
     async def _next(self) -> bytes | None:
+        if self._inner is not None:
+            return await self._next_continued(self._inner)
         if self._first is not None:
             chunk, self._first = self._first, None
             return chunk
@@ -225,21 +300,54 @@ class StreamRelay:
         try:
             chunk = await self._upstream.read_chunk()
         except UpstreamError as exc:
-            return self._fail(exc)
+            return await self._cut(exc)
         if chunk:
             self._seen(chunk)
             return chunk
         if not self._tail.rstrip().endswith(self._ends):
-            return self._fail(
+            return await self._cut(
                 UpstreamProtocolError("decode engine ended the stream early", leg="decode")
             )
         self._done = True
         self._upstream.release()  # complete: keep the connection for the next request
         return None
 
+    async def _cut(self, error: UpstreamError) -> bytes | None:
+        """The stream was cut: continue it elsewhere if it may be, else its error event."""
+        resume, kept = self._resume, self._kept
+        self._resume = self._kept = self._fold = None
+        if resume is None or kept is None:
+            return self._fail(error)
+        # The cut leg ends now (uncounted, judged by its failure), before the continuation's
+        # legs are sent; the continuation's relay owns its own leg and is read from here on.
+        self._failure = failure = self._failure or error
+        self._watchdog.forget(self)
+        self._upstream.close()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+        continuation = await resume(b"".join(kept), failure)
+        if continuation is None:
+            return self._fail(error)
+        self._failure = None
+        self._inner, self._rewrite = continuation.relay, continuation.rewrite
+        return await self._next_continued(continuation.relay)
+
+    async def _next_continued(self, inner: StreamRelay) -> bytes | None:
+        rewrite = self._rewrite
+        while True:
+            chunk = await inner._next()
+            if chunk is None or rewrite is None or inner.failure is not None:
+                return chunk  # the end, or its own error event: as it is
+            chunk = rewrite(chunk)
+            if chunk:
+                return chunk
+
     @property
     def failure(self) -> ProxyError | None:
         """Why the stream ended with an error event, if it did."""
+        if self._inner is not None:
+            return self._inner.failure
         return self._failure
 
     def _fail(self, error: UpstreamError) -> bytes:
@@ -250,6 +358,8 @@ class StreamRelay:
         return separator + self._error_event(self._failure)
 
     def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
         self._done = True
         self._write = None
         self._watchdog.forget(self)

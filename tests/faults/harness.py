@@ -36,6 +36,8 @@ HEALTH = HealthConfig(interval=0.25, timeout=1.0, failure_threshold=2, success_t
 TIMEOUTS = Timeouts(connect=1.0, read=2.0, prefill=1.0, decode_headers=1.0)
 OUTLIER = OutlierConfig(base_ejection=1.0, max_ejection=4.0)
 RETRY = RetryConfig(initial_backoff=0.02, max_backoff=0.1)
+# The cases that show a cut stream's error event: no mid-stream migration (test_migration.py)
+NO_MIGRATION = {"retry": dataclasses.replace(RETRY, migration_limit=0)}
 REQUEST_BOUND_S = 8.0  # no request may take longer, whatever the fault
 
 

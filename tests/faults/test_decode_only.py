@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from pdproxy.config.scheduling import SchedulingConfig
-from tests.faults.harness import all_ok, assert_settled, body, drive, fleet
+from tests.faults.harness import NO_MIGRATION, all_ok, assert_settled, body, drive, fleet
 
 pytestmark = pytest.mark.faults
 
@@ -43,7 +43,7 @@ async def test_a_failing_decode_is_retried_on_the_other(fault, reason):
 
 
 async def test_decode_killed_mid_stream_ends_with_one_error_event():
-    async with fleet(proxy=SHORT) as f:
+    async with fleet(proxy={**SHORT, **NO_MIGRATION}) as f:
         for d in f.decodes:
             d.set_faults(close_after_tokens=3)
         outcomes = await drive(f, 6, stream=True)

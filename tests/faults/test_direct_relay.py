@@ -15,7 +15,7 @@ import pytest
 
 import pdproxy.api.openai as openai_api
 from pdproxy.api.direct import direct_writer
-from tests.faults.harness import assert_settled, body, drive, fleet, wait_until
+from tests.faults.harness import NO_MIGRATION, assert_settled, body, drive, fleet, wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -93,7 +93,7 @@ async def test_decode_killed_while_relayed_directly_ends_with_one_error_event(sp
 
 
 async def test_decode_hung_while_relayed_directly_is_ended_by_the_watchdog(spy):
-    async with fleet(decode_tps=400) as f:
+    async with fleet(decode_tps=400, proxy=NO_MIGRATION) as f:
         for d in f.decodes:
             d.set_faults(hang_after_tokens=6)
         outcomes = await drive(f, 4, stream=True, chat=False, max_tokens=40)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from tests.faults.harness import GENERATE, all_ok, assert_settled, body, drive, fleet
+from tests.faults.harness import GENERATE, NO_MIGRATION, all_ok, assert_settled, body, drive, fleet
 
 pytestmark = pytest.mark.faults
 
@@ -46,7 +46,7 @@ async def test_5xx_is_retried_and_the_instance_ejected(role, status):
 
 
 async def test_decode_killed_mid_stream_ends_with_one_error_event():
-    async with fleet() as f:
+    async with fleet(proxy=NO_MIGRATION) as f:
         for d in f.decodes:
             d.set_faults(close_after_tokens=3)
         outcomes = await drive(f, 6, stream=True, generate=True)

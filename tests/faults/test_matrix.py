@@ -16,6 +16,7 @@ from pdproxy.config.proxy import SchedulingConfig
 from pdproxy.config.resilience import RetryConfig
 from tests.faults.harness import (
     HEALTH,
+    NO_MIGRATION,
     all_ok,
     assert_settled,
     body,
@@ -126,7 +127,7 @@ async def test_decode_silent_before_its_headers_is_retried():
 
 
 async def test_decode_hung_mid_stream_ends_with_one_error_event_in_time():
-    async with fleet() as f:
+    async with fleet(proxy=NO_MIGRATION) as f:
         for d in f.decodes:
             d.set_faults(hang_after_tokens=2)
         outcomes = await drive(f, 4, stream=True)
@@ -139,7 +140,7 @@ async def test_decode_hung_mid_stream_ends_with_one_error_event_in_time():
 
 
 async def test_decode_killed_mid_stream_ends_with_one_error_event():
-    async with fleet() as f:
+    async with fleet(proxy=NO_MIGRATION) as f:
         for d in f.decodes:
             d.set_faults(close_after_tokens=3)
         outcomes = await drive(f, 8, stream=True)

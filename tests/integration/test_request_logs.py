@@ -35,6 +35,7 @@ ACCESS_FIELDS = {
     "total_ms",
     "bytes_sent",
     "decode_only",
+    "migrations",
 }
 
 

@@ -55,3 +55,13 @@ async def test_tasks_a_request_starts_share_its_trace():
 async def _request_id_once(fixed: asyncio.Event) -> str | None:
     await fixed.wait()
     return current_request_id()
+
+
+def test_migrations_show_in_the_access_line_and_the_span():
+    trace = RequestTrace("/v1/completions")
+    assert trace.access_fields()["migrations"] is None
+    assert "pdproxy.migrations" not in trace.span_attributes()
+    hops = ["http://d:1 after 5 tokens (reset) -> http://p:1,http://d:2", "http://d:2 after 9"]
+    trace.migrations = hops
+    assert trace.access_fields()["migrations"] == hops
+    assert trace.span_attributes()["pdproxy.migrations"] == "; ".join(hops)

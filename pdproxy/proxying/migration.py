@@ -1,0 +1,168 @@
+"""Mid-stream migration: a streamed answer whose decode is cut continues on another decode.
+
+When a decode's stream ends without its terminator (a reset or closed connection, the
+stream watchdog, a drain that migrates), the relay asks ``Migrations`` for a continuation:
+the same request with what the client already received appended to its prompt
+(``wire.continuation``), through a prefill and another decode as any request, never on a
+decode it was cut on. The continuation's stream is read in the cut one's place, rewritten
+so that the client sees one stream. At most ``--migration-limit`` migrations per request,
+each spending the fleet-wide retry budget; a request that cannot be continued exactly in
+kind (``not_migratable``) keeps the error event, and nothing is kept for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from pdproxy.errors import ProxyError, UpstreamError, UpstreamTimeout
+from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.observability.request_context import current
+from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.relay import Continuation, StreamRelay
+from pdproxy.resilience.retry import RetryBudget
+from pdproxy.wire.continuation import (
+    Generated,
+    Rewriter,
+    continuation_body,
+    not_migratable,
+    read_generated,
+    remaining,
+)
+
+logger = logging.getLogger(__name__)
+
+# Serves a continuation on any decode but the ones named.
+Serve = Callable[[ClientRequest, frozenset[str]], Awaitable[ProxyResponse]]
+
+
+class MigrationRequested(UpstreamError):
+    """An operator drained the decode with ``migrate``: its streams move elsewhere now."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"decode {url} drained: stream migrated", leg="decode")
+
+
+@dataclass(slots=True)
+class _Migrating:
+    """One request's migrations so far."""
+
+    request: ClientRequest
+    generated: Generated = field(default_factory=Generated)
+    folded: Generated = field(default_factory=Generated)  # of the current stream, so far
+    migrations: int = 0
+    avoid: set[str] = field(default_factory=set)  # the decodes it was cut on
+
+
+def cut_reason(failure: ProxyError) -> str | None:
+    """The migration reason label of a cut, or None when it must not migrate (pdproxy's
+    own shutdown, a prefill's failure)."""
+    if isinstance(failure, MigrationRequested):
+        return "drain"
+    if not isinstance(failure, UpstreamError) or failure.leg != "decode":
+        return None
+    return "timeout" if isinstance(failure, UpstreamTimeout) else "reset"
+
+
+class Migrations:
+    def __init__(
+        self, *, limit: int, budget: RetryBudget, metrics: ProxyMetrics, serve: Serve
+    ) -> None:
+        self._limit = limit
+        self._budget = budget
+        self._metrics = metrics
+        self._serve = serve
+
+    def watch(self, request: ClientRequest, relay: StreamRelay) -> None:
+        """Let ``relay`` (``request``'s stream) migrate when it is cut, if it may."""
+        if self._limit <= 0 or not_migratable(request.kind, request.body) is not None:
+            return
+        self._arm(_Migrating(request), relay)
+
+    def _arm(self, state: _Migrating, relay: StreamRelay) -> None:
+        if relay.origin is not None:
+            state.avoid.add(relay.origin)
+        state.folded = Generated()
+        relay.migrate_with(
+            functools.partial(self._resume, state, relay.origin),
+            functools.partial(self._fold, state),
+        )
+
+    def _fold(self, state: _Migrating, stream: bytes) -> bool:
+        part = read_generated(state.request.kind, stream)
+        if part is None:
+            return False
+        state.folded.extend(part)
+        return True
+
+    async def _resume(
+        self, state: _Migrating, origin: str | None, stream: bytes, failure: ProxyError
+    ) -> Continuation | None:
+        reason = cut_reason(failure)
+        if reason is None:
+            return None
+        outcome, part = self._admit(state, stream)
+        if part is None:
+            self._metrics.migrations.labels(reason, outcome).inc()
+            return None
+        state.generated.extend(part)
+        request = state.request
+        body = continuation_body(request.kind, request.body, state.generated)
+        state.migrations += 1
+        continued = ClientRequest(
+            request.kind,
+            body,
+            _continued_id(request.request_id, state.migrations),
+            request.authorization,
+            request.session,
+            request.via,
+        )
+        try:
+            response = await self._serve(continued, frozenset(state.avoid))
+        except ProxyError as error:
+            logger.warning("stream cut on %s (%s): migration failed: %s", origin, reason, error)
+            self._metrics.migrations.labels(reason, "failed").inc()
+            return None
+        relay = response.stream
+        if relay is None:  # a stream asked, a whole answer given: nothing to splice
+            self._metrics.migrations.labels(reason, "failed").inc()
+            return None
+        self._metrics.migrations.labels(reason, "migrated").inc()
+        self._record(origin, state, reason, relay)
+        self._arm(state, relay)  # past the limit too: its cut is counted
+        return Continuation(relay, Rewriter(state.generated.identity, part.tokens))
+
+    def _admit(self, state: _Migrating, stream: bytes) -> tuple[str, Generated | None]:
+        """What the cut stream delivered, if it may migrate; else the outcome label."""
+        if state.migrations >= self._limit:
+            return "limit", None
+        last = read_generated(state.request.kind, stream)
+        if last is None:
+            return "unreadable", None
+        part, state.folded = state.folded, Generated()
+        part.extend(last)
+        left = remaining(state.request.kind, state.request.body, state.generated.tokens)
+        if left is not None and part.tokens >= left:
+            return "finished", None
+        if not self._budget.try_spend():
+            return "budget", None
+        return "migrated", part
+
+    def _record(
+        self, origin: str | None, state: _Migrating, reason: str, relay: StreamRelay
+    ) -> None:
+        trace = current()
+        hop = (
+            f"{origin} after {state.generated.tokens} tokens ({reason})"
+            f" -> {trace.prefill_url if not trace.decode_only else '-'},{relay.origin}"
+        )
+        trace.migrations = [*trace.migrations, hop] if trace.migrations else [hop]
+        logger.info("stream migrated: %s", hop)
+
+
+def _continued_id(request_id: str | None, migrations: int) -> str | None:
+    """The client's request id with the migration's number (the engines see a new request);
+    a fresh id when the client gave none."""
+    return None if request_id is None else f"{request_id}-m{migrations}"
