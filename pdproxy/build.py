@@ -116,6 +116,7 @@ def _orchestrator(
         budget=budget,
         metrics=core.metrics,
         rng=rng,
+        first_token=config.first_token_from_prefill,
     )
 
 

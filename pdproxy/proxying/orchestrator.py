@@ -30,6 +30,7 @@ from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import bind_request_id
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.first_token import FirstTokenPath
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs
 from pdproxy.proxying.retries import Retries, RetryRun
@@ -97,6 +98,7 @@ class Orchestrator:
         budget: RetryBudget,
         metrics: ProxyMetrics,
         rng: random.Random,
+        first_token: bool = False,
     ) -> None:
         self._registry = registry
         self._scheduler = scheduler
@@ -114,6 +116,8 @@ class Orchestrator:
             rng=rng,
         )
         self._metrics = metrics
+        # --first-token-from-prefill; None (off): the decode leg as always, nothing checked
+        self._first_token = FirstTokenPath(legs=legs, release=release) if first_token else None
 
     def start(self) -> None:
         self._legs.start()
@@ -162,6 +166,10 @@ class Orchestrator:
                     )
                 run.unreserve()
                 decoding = True
+                if self._first_token is not None:
+                    early = self._first_token.answer(request, transfer, answer)
+                    if early is not None:
+                        return early
                 return await self._legs.decode(request, transfer, answer)
             except UpstreamError as error:
                 failure = error
