@@ -25,7 +25,6 @@ _WORDS = (
     "packet socket stream buffer kernel thread cache block token prefill decode proxy"
 )
 VOCAB: tuple[str, ...] = tuple(_WORDS.split())
-_VOCAB_BYTES: tuple[bytes, ...] = tuple(w.encode() for w in VOCAB)
 
 
 @functools.lru_cache(maxsize=65536)  # a pure function; the cache only saves hashing
@@ -50,6 +49,7 @@ def words(text: str) -> list[str]:
 # share their tokenizer files. Bounded; a word seen past the bound stays unknown.
 _KNOWN_MAX = 1 << 16
 _KNOWN: dict[int, str] = {token_id(w): w for w in VOCAB}
+_VOCAB_IDS: tuple[int, ...] = tuple(token_id(w) for w in VOCAB)
 
 
 def remember(pieces: Sequence[str]) -> list[int]:
@@ -92,13 +92,16 @@ def compute_kv(tokens: Sequence[int]) -> list[bytes]:
 
 
 def decode_words(last_kv: bytes) -> Iterator[str]:
-    """The endless stream of generated words after a prompt whose last KV entry is last_kv."""
+    """The endless stream of generated words after a prompt whose last KV entry is last_kv.
+
+    Autoregressive as a model is: each word's KV entry is the one a prompt ending in that
+    word has, so a decode given prompt + [the first word] goes on with the second."""
     state = last_kv
-    n, blake, size = len(VOCAB), hashlib.blake2b, KV_BYTES_PER_TOKEN
+    n = len(VOCAB)
     while True:
         i = int.from_bytes(state[:4], "big") % n
         yield VOCAB[i]
-        state = blake(state + _VOCAB_BYTES[i], digest_size=size).digest()
+        state = _step(state, _VOCAB_IDS[i])
 
 
 def pack_blocks(kv: Sequence[bytes], block_size: int) -> list[bytes]:
