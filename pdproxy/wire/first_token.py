@@ -45,16 +45,15 @@ from pdproxy.wire.shaping import (
 )
 
 _OFF: tuple[Any, ...] = (None, False, 0, 0.0, [], {}, "")
-# SamplingParams whose answer reads the output from its first token on.
-_OUTPUT_BOUND = (
-    "logprobs",
-    "prompt_logprobs",
+# SamplingParams whose answer reads the output from its first token on: set at all (a
+# logprobs of 0 still returns the sampled token's), or set to something not off.
+_SET_BOUND = ("logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+_ON_BOUND = (
     "presence_penalty",
     "frequency_penalty",
     "bad_words",
     "structured_outputs",
     "guided_decoding",
-    "truncate_prompt_tokens",
 )
 _USAGE_MARK = b'"usage":{'
 _MAX_SOURCES = 1024  # prefill engines whose block size is tracked
@@ -68,7 +67,9 @@ def reason(body: Mapping[str, Any]) -> str | None:
     params: Mapping[str, Any] = body[SAMPLING_PARAMS]
     if read_int(params.get("n"), 1) != 1 or read_int(params.get("best_of"), 1) > 1:
         return "parallel_sampling"
-    if any(params.get(key) not in _OFF for key in _OUTPUT_BOUND):
+    if any(params.get(key) is not None for key in _SET_BOUND):
+        return "output_bound"
+    if any(params.get(key) not in _OFF for key in _ON_BOUND):
         return "output_bound"
     if read_bool(body.get("return_token_ids")) or body.get("features") not in _OFF:
         return "prompt_reported"
