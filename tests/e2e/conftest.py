@@ -7,8 +7,10 @@ Most modules use the random tiny-llama (fastest start-up); where the words matte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -19,17 +21,82 @@ from engines.vllm.launch import SMOLLM2, EnginePair, vllm_engines
 pytestmark = pytest.mark.real_engine
 
 
-@pytest.fixture(scope="module")
-def nixl_pair() -> Iterator[EnginePair]:
-    with vllm_engines(connector="nixl") as pair:
-        yield pair
+# The flags of the shared pairs: the union of what the modules that share them need.
+# --enable-scale-out serves /inference/v1/generate and --enable-prompt-tokens-details reports
+# usage.prompt_tokens_details.cached_tokens; neither changes an answer that does not ask for it.
+SHARED_FLAGS = ("--enable-scale-out", "--enable-prompt-tokens-details")
+# A pythonic tool-call parser lets chat requests carry tool_choice (vLLM refuses it otherwise).
+# It does change streamed chat answers that ask for no tool (the last chunk's delta is {}
+# instead of {"content": ""}), which pdproxy's own rendering (--render-once) does not mimic:
+# so it is a pair of its own, for the modules that send tools.
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 
 
-@pytest.fixture(scope="module")
-def smollm2_pair() -> Iterator[EnginePair]:
-    """A NIXL pair serving a real model (SmolLM2-135M-Instruct) that answers in English."""
-    with vllm_engines(connector="nixl", model=SMOLLM2) as pair:
-        yield pair
+class SharedPair:
+    """One engine pair shared by the whole session, started on first use.
+
+    Starting a pair costs about a minute on two cores, so the modules that can share one do
+    (each test uses its own prompts or a ``cache_salt``, so no test's prefix cache stands in
+    for another's transfer). A test that kills an engine leaves the pair to be restarted by
+    the next test that asks for it: ``get`` checks both engines are alive first.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._stack = contextlib.ExitStack()
+        self._pair: EnginePair | None = None
+
+    def get(self) -> EnginePair:
+        pair = self._pair
+        if pair is None or not all(engine.alive() for engine in pair.engines):
+            self.close()
+            self._pair = self._stack.enter_context(vllm_engines(**self._options))
+        assert self._pair is not None
+        return self._pair
+
+    def close(self) -> None:
+        self._pair = None
+        self._stack.close()
+        self._stack = contextlib.ExitStack()
+
+
+@pytest.fixture(scope="session")
+def _tiny_nixl_shared() -> Iterator[SharedPair]:
+    shared = SharedPair(connector="nixl", extra_args=SHARED_FLAGS)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="session")
+def _smollm2_nixl_shared() -> Iterator[SharedPair]:
+    shared = SharedPair(connector="nixl", model=SMOLLM2, extra_args=SHARED_FLAGS)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="session")
+def _smollm2_tools_shared() -> Iterator[SharedPair]:
+    shared = SharedPair(connector="nixl", model=SMOLLM2, extra_args=SHARED_FLAGS + TOOL_FLAGS)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def tiny_nixl(_tiny_nixl_shared: SharedPair) -> EnginePair:
+    """The session's NIXL pair serving the random tiny-llama (fastest to start)."""
+    return _tiny_nixl_shared.get()
+
+
+@pytest.fixture
+def smollm2_nixl(_smollm2_nixl_shared: SharedPair) -> EnginePair:
+    """The session's NIXL pair serving SmolLM2-135M-Instruct, which answers in English."""
+    return _smollm2_nixl_shared.get()
+
+
+@pytest.fixture
+def smollm2_tools(_smollm2_tools_shared: SharedPair) -> EnginePair:
+    """The session's SmolLM2 NIXL pair with a tool-call parser (TOOL_FLAGS)."""
+    return _smollm2_tools_shared.get()
 
 
 @pytest.fixture(scope="module")

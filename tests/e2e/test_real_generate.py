@@ -14,13 +14,12 @@ Each test salts its prompts (``cache_salt``), so no test's cached blocks serve a
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import pytest
 
-from engines.vllm.launch import EnginePair, vllm_engines
+from engines.vllm.launch import EnginePair
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.types import EngineAddress
@@ -29,7 +28,6 @@ from tests.servers import running_proxy
 
 pytestmark = pytest.mark.real_engine
 
-SCALE_OUT_FLAGS = ("--enable-scale-out", "--enable-prompt-tokens-details")
 GENERATE = "/inference/v1/generate"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -41,10 +39,10 @@ PROMPT = TEXT * 3  # about 200 tokens with the tiny model: six full blocks of 32
 BLOCK = 32  # engines/vllm's --block-size
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[EnginePair]:
-    with vllm_engines(connector="nixl", extra_args=SCALE_OUT_FLAGS) as engines:
-        yield engines
+@pytest.fixture
+def pair(tiny_nixl: EnginePair) -> EnginePair:
+    """The session's tiny NIXL pair, started with SHARED_FLAGS (tests/e2e/conftest.py)."""
+    return tiny_nixl
 
 
 def _config(pair: EnginePair, scheduling: SchedulingConfig | None = None) -> ProxyConfig:

@@ -30,8 +30,8 @@ def chat(pair, stream: bool) -> dict:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_chat_answer_through_the_pd_pair_names_paris(smollm2_pair, stream, record_property):
-    pair = smollm2_pair
+async def test_chat_answer_through_the_pd_pair_names_paris(smollm2_nixl, stream, record_property):
+    pair = smollm2_nixl
     before = external_tokens(pair)
     async with running_proxy(proxy_config(pair)) as proxy:
         # each test its own cache salt: the decode's prefix cache keeps what an earlier test

@@ -1,7 +1,8 @@
 """pdproxy in front of real vLLM CPU engines with the NIXL connector.
 
-Tests share one engine pair (module scope) and each uses its own prompts, so the decode's
-prefix cache never stands in for a transfer. The engine-kill test must stay last.
+Tests share the session's tiny NIXL pair (tests/e2e/conftest.py) and each uses its own
+prompts, so the decode's prefix cache never stands in for a transfer. The engine-kill test
+stays last (the shared pair is restarted for whoever asks next).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def path(kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_output_equals_single_engine_and_kv_moved(nixl_pair, kind, stream):
-    pair = nixl_pair
+async def test_output_equals_single_engine_and_kv_moved(tiny_nixl, kind, stream):
+    pair = tiny_nixl
     text = prompt(f"{kind}-{stream}")
     ext_before = external_tokens(pair)
     xfers_before = pair.decode.metric("vllm:nixl_xfer_time_seconds_count")
@@ -98,9 +99,9 @@ async def _prefill_params(pair, text: str) -> dict:
     return orjson.loads(raw)["kv_transfer_params"]
 
 
-async def test_negative_control_other_prompts_kv_changes_output(nixl_pair):
+async def test_negative_control_other_prompts_kv_changes_output(tiny_nixl):
     """The decode given another prompt's params (same length) must not match: the KV is used."""
-    pair = nixl_pair
+    pair = tiny_nixl
     candidates = [
         prompt(f"negative {n}") for n in ("alpha", "omega", "delta", "gamma", "sigma", "kappa")
     ]
@@ -124,8 +125,8 @@ async def test_negative_control_other_prompts_kv_changes_output(nixl_pair):
     assert output_text(raw_neg, chat=False, stream=False) != expected_b
 
 
-async def test_client_disconnect_mid_stream_aborts_decode(nixl_pair):
-    pair = nixl_pair
+async def test_client_disconnect_mid_stream_aborts_decode(tiny_nixl):
+    pair = tiny_nixl
     async with running_proxy(proxy_config(pair)) as proxy:
         session = aiohttp.ClientSession()
         # ignore_eos: the random model may stop early, and with each engine on its own core
@@ -149,9 +150,9 @@ async def test_client_disconnect_mid_stream_aborts_decode(nixl_pair):
         assert all(e.legs.in_flight == 0 for e in proxy.state.registry.all())
 
 
-async def test_prefill_kv_without_decode_is_freed_by_the_lease(nixl_pair, record_property):
+async def test_prefill_kv_without_decode_is_freed_by_the_lease(tiny_nixl, record_property):
     """A disconnect between the legs leaves P's blocks pinned until the NIXL lease expires."""
-    pair = nixl_pair
+    pair = tiny_nixl
     await wait_until(lambda: pair.prefill.metric("vllm:kv_cache_usage_perc") == 0, timeout=60)
     started = time.monotonic()
     await _prefill_params(pair, prompt("stranded"))
@@ -177,7 +178,7 @@ async def _orphan_through(proxy, pair, tag: str) -> float:
     )
 
 
-async def test_orphaned_kv_is_released_within_two_seconds(nixl_pair, record_property):
+async def test_orphaned_kv_is_released_within_two_seconds(tiny_nixl, record_property):
     """A prefill whose decode failed for good: pdproxy releases its KV through the live
     decode (a one-token leg while that decode is cold to pdproxy, then a leg vLLM rejects
     before admission, which makes it notify P), instead of the 30 s lease."""
@@ -185,7 +186,7 @@ async def test_orphaned_kv_is_released_within_two_seconds(nixl_pair, record_prop
     from pdproxy.config.resilience import HealthConfig, OutlierConfig, RetryConfig
     from pdproxy.config.scheduling import SchedulingConfig
 
-    pair = nixl_pair
+    pair = tiny_nixl
     dead = EngineAddress(url=f"http://127.0.0.1:{free_port()}")
     config = ProxyConfig(
         prefill=(EngineAddress(url=pair.prefill_url),),
@@ -216,9 +217,9 @@ async def test_orphaned_kv_is_released_within_two_seconds(nixl_pair, record_prop
     assert pair.decode.metric("vllm:num_requests_waiting") == 0
 
 
-async def test_killed_engine_gives_a_clear_error_not_a_hang(nixl_pair):
+async def test_killed_engine_gives_a_clear_error_not_a_hang(tiny_nixl):
     """Must run last in this module: it kills the decode engine."""
-    pair = nixl_pair
+    pair = tiny_nixl
     async with running_proxy(proxy_config(pair)) as proxy:
         os.killpg(pair.decode.pid, signal.SIGKILL)
         await wait_until(lambda: not pair.decode.alive(), timeout=10)

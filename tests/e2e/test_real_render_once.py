@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
-from engines.vllm.launch import SMOLLM2, EnginePair, vllm_engines
+from engines.vllm.launch import EnginePair
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.types import EngineAddress
 from tests.e2e.conftest import external_tokens
@@ -30,7 +29,6 @@ from tests.servers import running_proxy
 
 pytestmark = pytest.mark.real_engine
 
-FLAGS = ("--enable-scale-out", "--enable-prompt-tokens-details")
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 BLOCK = 32  # engines/vllm's --block-size
@@ -42,10 +40,10 @@ STORY = (
 ) * 4
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[EnginePair]:
-    with vllm_engines(connector="nixl", model=SMOLLM2, extra_args=FLAGS) as engines:
-        yield engines
+@pytest.fixture
+def pair(smollm2_nixl: EnginePair) -> EnginePair:
+    """The session's SmolLM2 NIXL pair, started with SHARED_FLAGS (tests/e2e/conftest.py)."""
+    return smollm2_nixl
 
 
 def _config(pair: EnginePair, render_once: bool) -> ProxyConfig:

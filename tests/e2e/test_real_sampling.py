@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,6 @@ import aiohttp
 import orjson
 import pytest
 
-from engines.vllm.launch import SMOLLM2, EnginePair, vllm_engines
 from tests.e2e.conftest import external_tokens, post
 from tests.e2e.test_real_nixl import isolated, proxy_config
 from tests.servers import running_proxy
@@ -61,17 +59,10 @@ CITY_SCHEMA = {
 }
 
 
-TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
-
-
-@pytest.fixture(scope="module")
-def tools_pair() -> Iterator[EnginePair]:
-    """SmolLM2 on a NIXL pair, with a tool-call parser: vLLM refuses ``tool_choice`` other
-    than "none" without one, and builds none without ``--enable-auto-tool-choice``
-    (``pythonic`` needs no special tokens; with "required" vLLM constrains the output to a
-    JSON list of calls itself)."""
-    with vllm_engines(connector="nixl", model=SMOLLM2, extra_args=TOOL_ARGS) as pair:
-        yield pair
+# the session's SmolLM2 tools pair (tests/e2e/conftest.py) has a tool-call parser: vLLM refuses
+# ``tool_choice`` other than "none" without one, and builds none without
+# ``--enable-auto-tool-choice`` (``pythonic`` needs no special tokens; with "required" vLLM
+# constrains the output to a JSON list of calls itself).
 
 
 @dataclass(frozen=True)
@@ -272,8 +263,8 @@ async def _decode_only_count(proxy_url: str, reason: str) -> float:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-async def test_option_through_two_legs_equals_single_engine(tools_pair, name):
-    pair, case = tools_pair, CASES[name]
+async def test_option_through_two_legs_equals_single_engine(smollm2_tools, name):
+    pair, case = smollm2_tools, CASES[name]
     chat, stream = case.path == CHAT, case.fields.get("stream") is True
     request = isolated(_request(pair, case))
     before = external_tokens(pair)

@@ -151,12 +151,16 @@ async def test_garbage_flood_leaves_client_latency_and_memory_bounded():
             f" flood: {len(flooded)} requests, p99 {flood_p99 * 1e3:.2f} ms;"
             f" sender {counts}; registry {outcomes}; peak RSS +{rss_growth:.1f} MiB"
         )
-        # With the sender niced, flood/quiet p99 measured 1.4-1.5x (unniced, the sender's own
-        # CPU on two shared cores made it 1.3-3.2x), and once 2.2x on a quiet machine (5.98
-        # against 2.76 ms: a p99 of a few hundred requests of ~1 ms). So 2x, or 5 ms over
-        # quiet: a flood handled at any real cost per message saturates the loop and adds
-        # tens of ms. The mute and outcome counts below are what pin the cheap path down.
-        assert flood_p99 <= max(2 * quiet_p99, quiet_p99 + 0.005)
+        # With the sender niced, flood/quiet p99 measured 1.4-1.5x, but a p99 of a few hundred
+        # ~1 ms requests is one slow request on two shared cores: CI once saw 16 ms against
+        # 4.7 ms quiet with every other figure sound. What a flood handled at any real cost per
+        # message does is saturate the loop (10,000 msg/s at 0.1 ms each is the whole core):
+        # every request then waits, the median moves by tens of ms and the tail by more. So the
+        # median within 2x or 2 ms of quiet, and the tail within 30 ms; the mute and outcome
+        # counts below are what pin the cheap path down.
+        quiet_p50, flood_p50 = statistics.median(quiet), statistics.median(flooded)
+        assert flood_p50 <= max(2 * quiet_p50, quiet_p50 + 0.002), (quiet_p50, flood_p50)
+        assert flood_p99 <= quiet_p99 + 0.030, (quiet_p99, flood_p99)
         assert counts["sent"] >= 0.8 * RATE * FLOOD_S
         assert metrics.registry_mutes._value.get() >= GARBAGE_SOCKETS
         assert outcomes["muted"] >= 0.8 * (outcomes["muted"] + outcomes["malformed"])
