@@ -45,7 +45,7 @@ TEXT = (
 LENGTHS = (32, 33, 31, 64, 65, 95, 96, 150, 160)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pair(smollm2_nixl: EnginePair) -> EnginePair:
     return smollm2_nixl
 
