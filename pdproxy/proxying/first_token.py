@@ -136,7 +136,14 @@ class _Spliced:
 
     @staticmethod
     async def _opened(opening: asyncio.Future[ProxyResponse]) -> StreamRelay:
-        response = await opening
+        try:
+            response = await opening
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not opening.cancelled() or (task is not None and task.cancelling()):
+                raise  # the reader itself is cancelled (the client left)
+            # close() gave the leg up (the watchdog, a drain): a failure, not a cancellation
+            raise UpstreamProtocolError("decode leg abandoned", leg="decode") from None
         if response.stream is None:  # a stream was asked: the leg checks it came as one
             raise UpstreamProtocolError("decode engine answered a stream whole", leg="decode")
         return response.stream

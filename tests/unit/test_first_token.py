@@ -145,3 +145,21 @@ def test_held_blocks_reads_the_nixl_params():
     }
     assert ft.held_blocks(groups) is None
     assert ft.held_blocks({}) is None
+
+
+async def test_a_stream_whose_decode_leg_was_given_up_fails_rather_than_cancels():
+    """The watchdog or a drain closes the relay while the decode leg is opening: the reader
+    gets the leg's failure (an error event), not a cancellation of its own task."""
+    import asyncio
+
+    from pdproxy.errors import UpstreamError
+    from pdproxy.proxying.first_token import _Spliced
+
+    opening: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    spliced = _Spliced(b"data: {}\n\n", opening)
+    assert await spliced.read_chunk() == b"data: {}\n\n"
+    reading = asyncio.ensure_future(spliced.read_chunk())
+    await asyncio.sleep(0)
+    spliced.close()
+    with pytest.raises(UpstreamError):
+        await reading
