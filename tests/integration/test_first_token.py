@@ -229,3 +229,25 @@ async def test_a_sampled_request_gets_a_valid_sample_continued_after_t1():
         (d_leg,) = d.decodes[0].generation_requests()
         assert d_leg.body["token_ids"] == [*body["token_ids"], _ids(raw)[0]]
         assert d_leg.body["sampling_params"]["seed"] == 7  # the decode's generator restarts
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+async def test_render_once_stream_that_t1_ends_is_the_text_paths(path):
+    proxy = {**ON, "render_once": True}
+    async with deployment(n_prefill=1, n_decode=1, proxy=proxy) as d:
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": 1, "temperature": 0, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        if path == CHAT:
+            body["messages"] = [{"role": "user", "content": _words(7, "one")}]
+        else:
+            body["prompt"] = _words(7, "one")
+        got, reference = await _both(d, body, path)
+        strip = ("id", "created", "system_fingerprint", "usage")
+        mine = [{k: v for k, v in orjson.loads(e).items() if k not in strip} for e in _events(got)]
+        ref = [
+            {k: v for k, v in orjson.loads(e).items() if k not in strip} for e in _events(reference)
+        ]
+        assert mine == ref
+        assert _usage(got)["completion_tokens"] == 1
+        legs = [r for r in d.decodes[0].generation_requests() if r.path == GENERATE]
+        assert not [r for r in legs if r.body.get("stream")]  # the release leg only
