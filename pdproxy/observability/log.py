@@ -166,21 +166,33 @@ def configure_logging(level: str, log_format: str = "text") -> None:
 class RateLimitedLogger:
     """Logs a given key at most once per ``interval`` seconds, counting what it held back.
 
-    For inputs a remote peer controls (registry floods): the log must not become the
-    attacker's amplifier.
+    For inputs a remote peer controls (registry floods, a shared registry's keys): the log
+    must not become the attacker's amplifier, nor its memory. At most ``max_keys`` keys are
+    remembered; when a new key finds the table full, the keys whose interval has passed are
+    forgotten, and if none has, the new key shares one overflow key with every other newcomer
+    (still logged at most once per interval).
     """
 
+    OVERFLOW = "\x00overflow"
+
     def __init__(
-        self, logger: logging.Logger, clock: Callable[[], float], interval: float = 10.0
+        self,
+        logger: logging.Logger,
+        clock: Callable[[], float],
+        interval: float = 10.0,
+        max_keys: int = 1024,
     ) -> None:
         self._logger = logger
         self._clock = clock
         self._interval = interval
+        self._max_keys = max_keys
         self._next: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
     def warning(self, key: str, msg: str, *args: object) -> None:
         now = self._clock()
+        if key not in self._next and len(self._next) >= self._max_keys:
+            key = self._make_room(now, key)
         if now < self._next.get(key, 0.0):
             self._held[key] = self._held.get(key, 0) + 1
             return
@@ -188,3 +200,9 @@ class RateLimitedLogger:
         suffix = f" ({held} similar messages suppressed)" if held else ""
         self._logger.warning(msg + suffix, *args)
         self._next[key] = now + self._interval
+
+    def _make_room(self, now: float, key: str) -> str:
+        """Forget the keys past their interval (and with nothing held back); the key to use."""
+        for old in [k for k, due in self._next.items() if due <= now and k not in self._held]:
+            del self._next[old]
+        return key if len(self._next) < self._max_keys else self.OVERFLOW

@@ -108,7 +108,7 @@ async def test_metrics_sum_both_workers(tmp_path):
             for _ in range(count):
                 assert (await complete(session, tree.url))[0] == 200
         for session in (a, b):  # the same figures whichever worker answers
-            text = await _metrics(session, tree.url)
+            text = await _settled_metrics(session, tree.url)
             assert (
                 _value(text, 'pdproxy_requests_total{endpoint="/v1/completions",outcome="ok"}')
                 == 12
@@ -124,6 +124,18 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(url + "/metrics") as r:
         assert r.status == 200
         return await r.text()
+
+
+async def _settled_metrics(session: aiohttp.ClientSession, url: str) -> str:
+    """``/metrics`` once the in-flight gauge reads 0. Counters are summed from the workers'
+    files as they change, but a worker writes its live gauges every 0.25 s (its sampler): the
+    other worker's gauge may still show a request that ended since. Bounded at 4 s."""
+    deadline = time.monotonic() + 4
+    while True:
+        text = await _metrics(session, url)
+        if _value(text, "pdproxy_requests_in_flight") == 0 or time.monotonic() > deadline:
+            return text
+        await asyncio.sleep(0.05)
 
 
 def _value(text: str, series: str) -> float:
