@@ -5,7 +5,7 @@ session's ``smollm2_nixl`` pair: ``--enable-scale-out --enable-prompt-tokens-det
 * greedy streams through pdproxy with the flag equal the decode's own (alone, cold) token
   for token, for prompt lengths on both sides of the block size and on its multiples, on
   ``/inference/v1/generate``, and under ``--render-once`` on ``/v1/completions`` and
-  ``/v1/chat/completions``; the first chunk is byte for byte the decode's;
+  ``/v1/chat/completions``; the first chunk is the decode's (its fields, in order);
 * the requests off the edge were continued after t1 (the decode's prompt one token longer),
   the ones on a multiple took the usual decode, and the decode stayed healthy; its external
   KV counter grew for every request;
