@@ -87,6 +87,12 @@ RENDER_ONCE_ARGS ?=
 bench-render-once: install engines-smollm2
 	$(PY) -m bench.render_once $(RENDER_ONCE_ARGS)
 
+## bench-first-token: --first-token-from-prefill against without, on the real CPU NIXL pair (SmolLM2), same run
+FIRST_TOKEN_ARGS ?=
+.PHONY: bench-first-token
+bench-first-token: install engines-smollm2
+	$(PY) -m bench.first_token $(FIRST_TOKEN_ARGS)
+
 ## bench-workers: proxy-bound load through --workers 1 and --workers 2, same run (WORKERS_ARGS=--rounds 1)
 WORKERS_ARGS ?=
 .PHONY: bench-workers

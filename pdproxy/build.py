@@ -129,6 +129,7 @@ def _orchestrator(
         metrics=core.metrics,
         rng=rng,
         lora=_lora_on_demand(config, core, scheduler, clock),
+        first_token=config.first_token_from_prefill,
     )
 
 

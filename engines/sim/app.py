@@ -120,6 +120,10 @@ class SimApp:
             generate.spawn(job, generate.serve_async(job))
 
     def _job(self, http: Request, body: dict[str, Any], rec: RequestRecord) -> generate.Job | None:
+        if self.engine.dead is not None:
+            rec.fail(500, f"engine dead: {self.engine.dead}")
+            http.conn.send(500, error_body(500, generate.DEAD))
+            return None
         if self.faults.status is not None:
             status = int(self.faults.status)
             rec.fail(status, "fault: status")
@@ -200,6 +204,8 @@ class SimApp:
         req.conn.send(self._health_status(), b"")
 
     def _health_status(self) -> int:
+        if self.engine.dead is not None:
+            return 503
         slow = float(self.faults.slow_start_s)
         if slow > 0 and time.monotonic() - self.faults_set_at < slow:
             return 503

@@ -41,6 +41,7 @@ class Engine:
         self.prefix = PrefixCache(config.prefix_cache_blocks, config.block_size)
         self.ranks = make_ranks(config.dp_size, config.max_running, config.prefill_concurrency)
         self.connector: Connector = create(ConnectorDeps(config, self.counters, self.pool))
+        self.dead: str | None = None  # why the engine core died; it then serves nothing
 
     def rank_of(self, req: GenRequest) -> Rank:
         """The engine core that runs `req`: its X-data-parallel-rank, else rank 0."""
@@ -93,9 +94,11 @@ class Engine:
         min_tokens = req.options.get("min_tokens") or 0
         text = ""
         for i in range(req.max_tokens):
-            piece = " " + next(words)
+            word = next(words)
+            piece = " " + word
+            req.output_ids.append(model.token_id(word))
             self.counters.generation_tokens += 1
-            if req.stop and i + 1 >= min_tokens:
+            if req.stop and i + 1 > min_tokens:  # vLLM: stop strings once past min_tokens
                 hit = _find_stop(text + piece, req.stop)
                 if hit is not None:
                     idx, stop = hit

@@ -59,3 +59,8 @@ class KVTransferError(Exception):
     Answered as HTTP 500 (non-streaming) or as an error event in a 200 stream, as vLLM does
     when a request fails inside the engine.
     """
+
+
+class EngineDeadError(Exception):
+    """The engine core died serving a request (vLLM's ``EngineDeadError``): this request
+    fails as a KV transfer failure does, every later one with 500, and /health with 503."""

@@ -11,12 +11,13 @@ from typing import Any
 from engines.sim import model, render
 from engines.sim.config import Faults
 from engines.sim.engine import Engine, Prefill
-from engines.sim.errors import KVTransferError, error_body
+from engines.sim.errors import EngineDeadError, KVTransferError, error_body
 from engines.sim.http import Connection
 from engines.sim.openai_api import GenRequest
 from engines.sim.records import RequestRecord
 
 SSE = "text/event-stream; charset=utf-8"
+DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
 @dataclass
@@ -135,6 +136,10 @@ async def _generate(job: Job) -> None:
         loaded = await _fetch(job)
     except KVTransferError as exc:
         _fail_transfer(job, str(exc))
+        return
+    except EngineDeadError as exc:
+        eng.dead = str(exc)
+        _fail_transfer(job, DEAD)
         return
     pre = eng.prefill(req, loaded if loaded is not None else eng.connector.load_now(req))
     await asyncio.sleep(pre.overhead_s(eng.config))

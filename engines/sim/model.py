@@ -52,6 +52,7 @@ _VOCAB_IDS: tuple[int, ...] = tuple(token_id(w) for w in VOCAB)
 # share their tokenizer files. Bounded; a word seen past the bound stays unknown.
 _KNOWN_MAX = 1 << 16
 _KNOWN: dict[int, str] = {token_id(w): w for w in VOCAB}
+_VOCAB_IDS: tuple[int, ...] = tuple(token_id(w) for w in VOCAB)
 
 
 def remember(pieces: Sequence[str]) -> list[int]:
@@ -118,8 +119,9 @@ def decode_words(last_kv: bytes) -> Iterator[str]:
     """The endless stream of generated words after a prompt whose last KV entry is last_kv.
 
     Autoregressive: the state after a word is that word's KV entry chained on the context
-    (``_step``), so a prompt extended by the first k generated tokens decodes exactly the
-    rest of the uninterrupted answer (a migrated stream's continuation).
+    (``_step``), the one a prompt ending in that word has, so a prompt extended by the first k
+    generated tokens decodes exactly the rest of the uninterrupted answer (a migrated stream's
+    continuation; a decode given prompt + [the prefill's first word] goes on with the second).
     """
     state = last_kv
     n = len(VOCAB)

@@ -54,6 +54,8 @@ class GenRequest:
     kv_transfer_params: dict[str, Any] | None
     dp_rank: int | None
     created: int = field(default_factory=lambda: int(time.time()))
+    # every generated token, the one that completed a stop string too (vLLM's token_ids)
+    output_ids: list[int] = field(default_factory=list)
 
     @property
     def n(self) -> int:

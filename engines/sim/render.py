@@ -83,13 +83,17 @@ def _output_mode(req: GenRequest) -> str:
 
 
 def _generate_choice(
-    req: GenRequest, text: str, finish: str | None, stop_reason: str | None
+    req: GenRequest,
+    text: str,
+    finish: str | None,
+    stop_reason: str | None,
+    ids: list[int] | None = None,
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
         "finish_reason": finish,
         "stop_reason": stop_reason,
-        "token_ids": model.tokenize(text),
+        "token_ids": model.tokenize(text) if ids is None else ids,
         **_GENERATE_CHOICE_EXTRAS,
     }
     if _text_mode(req):
@@ -108,9 +112,23 @@ def _generate_body(req: GenRequest, out: Outcome) -> bytes:
         "kv_transfer_params": out.kv_transfer_params,
         "ec_transfer_params": None,
         "output_mode": _output_mode(req),
-        "choices": [_generate_choice(req, out.text, out.finish_reason, out.stop_reason)],
+        "choices": [
+            _generate_choice(req, out.text, out.finish_reason, out.stop_reason, _all_ids(req))
+        ],
     }
     return orjson.dumps(data)
+
+
+def _all_ids(req: GenRequest) -> list[int] | None:
+    """Every generated token's id: a matched stop string leaves the text, not token_ids."""
+    return list(req.output_ids) if req.output_ids else None
+
+
+def _last_ids(req: GenRequest, stop_reason: str | None) -> list[int] | None:
+    """A stream's last chunk: the token that completed a stop string stays in token_ids."""
+    if isinstance(stop_reason, str) and req.output_ids:
+        return req.output_ids[-1:]
+    return None
 
 
 def _generate_chunk(req: GenRequest, choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -192,7 +210,7 @@ def token_chunk(
     """One streamed token; the last one carries finish_reason (and P's kv_transfer_params,
     except on generate, whose stream has no field for them)."""
     if req.kind == "generate":
-        choices = [_generate_choice(req, text, finish, stop_reason)]
+        choices = [_generate_choice(req, text, finish, stop_reason, _last_ids(req, stop_reason))]
         return _generate_chunk(req, choices, usage=None)
     if req.kind == "completion":
         choice: dict[str, Any] = {

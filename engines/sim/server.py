@@ -325,6 +325,11 @@ class SimHandle:
     def counters(self) -> Counters:
         return self._server.engine.counters
 
+    @property
+    def engine(self) -> Engine:
+        """The current engine core (``dead`` once it died; its connector's held KV)."""
+        return self._server.engine
+
     def gauges(self) -> Gauges:
         return self._server.engine.gauges()
 

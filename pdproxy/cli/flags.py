@@ -341,6 +341,15 @@ RENDER_FLAGS = (
         metavar="URL",
         convert=values.addresses("render"),
     ),
+    Flag(
+        names=("--first-token-from-prefill",),
+        group=RENDER,
+        help="Stream the token the prefill sampled as the first chunk of a token-in stream"
+        " (and under --render-once) and continue the decode after it (NIXL only;"
+        " docs/endpoints.md).",
+        field="first_token_from_prefill",
+        action="store_true",
+    ),
 )
 
 FLAGS: tuple[Flag, ...] = (

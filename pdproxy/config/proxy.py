@@ -84,6 +84,8 @@ class ProxyConfig:
     # on these `vllm launch render` servers (none: on a decode)
     render_once: bool = False
     render: tuple[EngineAddress, ...] = ()
+    # the prefill's sampled token is the stream's first (pdproxy.proxying.first_token); NIXL only
+    first_token_from_prefill: bool = False
     workers: int = 1  # serving processes (pdproxy.runtime); 1: this process serves
     # This pdproxy's hop marker in the Via header of its legs (pdproxy.wire.hop): random per
     # run, the same in every --workers process (they get this config).
@@ -116,6 +118,11 @@ class ProxyConfig:
             raise ConfigError("--shutdown-timeout-secs must be >= 0")
         if self.render and not self.render_once:
             raise ConfigError("--render needs --render-once")
+        if self.first_token_from_prefill and self.kv_connector != "nixl":
+            raise ConfigError(
+                "--first-token-from-prefill is exact only with --kv-connector nixl"
+                f" (a pull of the prompt's blocks), not {self.kv_connector!r}"
+            )
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         for cidr in self.admin_allow_cidrs:

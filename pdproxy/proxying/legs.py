@@ -67,6 +67,11 @@ class Legs:
         self._background: set[asyncio.Task[Any]] = set()
         self._watchdog = StreamWatchdog(client.read_timeout)
 
+    @property
+    def watchdog(self) -> StreamWatchdog:
+        """The one watchdog of every stream the legs relay."""
+        return self._watchdog
+
     def start(self) -> None:
         self._watchdog.start()
 

@@ -31,6 +31,7 @@ from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import bind_predicted, bind_request_id
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.first_token import FirstTokenPath
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs
 from pdproxy.proxying.lora_demand import LoraOnDemand
@@ -102,6 +103,7 @@ class Orchestrator:
         metrics: ProxyMetrics,
         rng: random.Random,
         lora: LoraOnDemand | None = None,
+        first_token: bool = False,
     ) -> None:
         self._registry = registry
         self._lora = lora  # --lora-load-on-demand
@@ -123,6 +125,8 @@ class Orchestrator:
         self._migrations = Migrations(
             limit=retry.migration_limit, budget=budget, metrics=metrics, serve=self._serve
         )
+        # --first-token-from-prefill; None (off): the decode leg as always, nothing checked
+        self._first_token = FirstTokenPath(legs=legs, release=release) if first_token else None
 
     def start(self) -> None:
         self._legs.start()
@@ -187,6 +191,10 @@ class Orchestrator:
                     )
                 run.unreserve()
                 decoding = True
+                if self._first_token is not None:
+                    early = self._first_token.answer(request, transfer, answer)
+                    if early is not None:
+                        return early
                 return await self._legs.decode(request, transfer, answer)
             except UpstreamError as error:
                 failure = error

@@ -14,11 +14,11 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import orjson
 
 from pdproxy.errors import ProxyError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
-from pdproxy.upstream.engine_client import UpstreamResponse
 
 _DONE = b"data: [DONE]"
 SSE_DONE = _DONE + b"\n\n"
@@ -58,6 +58,19 @@ RESPONSES_SSE = Framing(
     responses_error_event,
     tail=48,
 )
+
+
+class ByteStream(Protocol):
+    """What a relay reads: an engine's answer (``UpstreamResponse``), or a stream pdproxy
+    starts itself and continues with one (``pdproxy.proxying.first_token``)."""
+
+    async def read_chunk(self) -> bytes: ...
+
+    def push_to(self, sink: Callable[[bytes], bool] | None) -> None: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +151,7 @@ class StreamRelay:
 
     def __init__(
         self,
-        upstream: UpstreamResponse,
+        upstream: ByteStream,
         on_close: Callable[[], None],
         watchdog: StreamWatchdog,
         framing: Framing = OPENAI_SSE,

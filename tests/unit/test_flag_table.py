@@ -81,6 +81,7 @@ SAMPLES: dict[str, list[str]] = {
     "--render-once": ["--render-once"],
     "--max-queued-requests": ["--max-queued-requests", "4", "--max-concurrent-requests", "2"],
     "--render": ["--render-once", "--render", "r:8400"],
+    "--first-token-from-prefill": ["--first-token-from-prefill"],
 }
 FILES = {"admin": "a-key\n", "keys": "k2\n# comment\nk3\n", "engine": "e2\n"}
 

@@ -109,7 +109,10 @@ def test_token_in_prefill_is_clamped_in_its_sampling_params():
     before = copy.deepcopy(TOKEN_IN)
     body = shaping.prefill_body(TOKEN_IN, {"do_remote_decode": True})
     assert before == TOKEN_IN
-    assert body["sampling_params"] == {"max_tokens": 1, "temperature": 0, "stop": ["x"]}
+    # min_tokens 5 > max_tokens 1 would be refused: the minimum is the one token (EOS masked,
+    # no stop string at it: the client's first token, as --first-token-from-prefill sends it)
+    params = {"max_tokens": 1, "min_tokens": 1, "temperature": 0, "stop": ["x"]}
+    assert body["sampling_params"] == params
     assert "max_tokens" not in body and "max_completion_tokens" not in body
     assert body["stream"] is False and "stream_options" not in body
     assert body["kv_transfer_params"] == {"do_remote_decode": True}

@@ -20,6 +20,7 @@ from typing import Any
 
 from engines.sim import model
 from engines.sim.connectors import ConnectorDeps, sidechannel
+from engines.sim.errors import EngineDeadError
 from engines.sim.openai_api import GenRequest
 
 log = logging.getLogger("engines.sim.nixl")
@@ -92,6 +93,7 @@ class NixlConnector:
             )
             self.counters.kv_invalid_params += 1
             return None
+        self._check_blocks(req, params)
         try:
             reply = await sidechannel.request(
                 str(params["remote_host"]),
@@ -107,6 +109,18 @@ class NixlConnector:
         if kv is not None:
             self._handshaked.add(str(params["remote_engine_id"]))
         return kv
+
+    def _check_blocks(self, req: GenRequest, params: dict[str, Any]) -> None:
+        """vLLM 0.32's NIXL worker asserts that the decode allocated no more blocks for the
+        prompt than the prefill lists (``_apply_prefix_caching``), and the engine core dies:
+        a prompt one token longer than the prefill's, at a multiple of the block size."""
+        needed = -(-len(req.prompt_tokens) // self.cfg.block_size)
+        listed = len(_pull_msg(params)["block_ids"])
+        if needed > listed:
+            raise EngineDeadError(
+                f"AssertionError in the NIXL worker: {needed} decode blocks for request"
+                f" {req.internal_id}, the prefill listed {listed}"
+            )
 
     def _loaded(self, req: GenRequest, blocks: list[bytes]) -> list[bytes] | None:
         kv = model.unpack_blocks(blocks)
