@@ -30,6 +30,9 @@ class Faults:
     headers_delay_s: float = 0.0  # generation: wait N s before sending anything
     reset_after_bytes: int | None = None  # generation: headers + N body bytes, then a TCP RST
     hang_after_tokens: int | None = None  # go silent after N tokens until the client leaves
+    # streams: N tokens, then vLLM's mid-stream error event and [DONE] (an internal error
+    # during generation); a whole answer gets vLLM's 500
+    error_after_tokens: int | None = None
     fail_kv_load: bool = False  # a decode's remote KV load fails (policy "fail": 500)
     health_delay_s: float = 0.0  # /health and /ping answer after N s
     health_status: int | None = None  # /health and /ping answer this status (generation works)
@@ -50,7 +53,12 @@ class Faults:
             value = getattr(self, name)
             if value is not None and not 100 <= int(value) <= 599:
                 raise ValueError(f"{name} must be an HTTP status code")
-        for name in ("close_after_tokens", "reset_after_bytes", "hang_after_tokens"):
+        for name in (
+            "close_after_tokens",
+            "reset_after_bytes",
+            "hang_after_tokens",
+            "error_after_tokens",
+        ):
             value = getattr(self, name)
             if value is not None and int(value) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from engines.sim.records import RequestRecord
 
 SSE = "text/event-stream; charset=utf-8"
 DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+GENERATION_ERROR = "Internal server error"  # vLLM's GenerationError (finish_reason "error")
 
 
 @dataclass
@@ -52,7 +54,7 @@ def serve_inline(job: Job) -> None:
 
 def _answer_whole(job: Job, pieces: list[str], out: render.Outcome) -> None:
     """Send a fully generated response, or what the close/reset faults leave of it."""
-    if _cut_short(job, pieces):
+    if _cut_short(job, pieces) or _errored(job, pieces):
         return
     if job.faults.reset_after_bytes is not None:
         _reset_after(job, pieces, out, int(job.faults.reset_after_bytes))
@@ -95,6 +97,34 @@ def _close_after(job: Job, pieces: list[str], limit: int) -> None:
         job.conn.write_chunk(b"".join(head))
     job.rec.fail(200 if job.req.stream else None, f"fault: closed after {limit} tokens")
     job.conn.abort()
+
+
+def _errored(job: Job, pieces: list[str]) -> bool:
+    """The error_after_tokens fault: N streamed tokens, then vLLM's error event and [DONE]
+    in a 200 stream; a whole answer gets vLLM's 500."""
+    limit = job.faults.error_after_tokens
+    if limit is None or limit >= len(pieces):
+        return False
+    if job.req.stream:
+        job.conn.start_stream(200, SSE)
+        head = [render.role_chunk(job.req)] if job.req.kind == "chat" else []
+        head += [render.token_chunk(job.req, p) for p in pieces[:limit]]
+        job.conn.write_chunk(b"".join(head))
+        _error_event(job, limit)
+        return True
+    job.conn.send(500, error_body(500, GENERATION_ERROR))
+    job.rec.fail(500, f"fault: error after {limit} tokens")
+    return True
+
+
+def _error_event(job: Job, limit: int) -> None:
+    """vLLM's mid-stream error event, byte for byte (its ``json.dumps`` separators), then
+    ``[DONE]`` in a chunk of its own, as vLLM's generator yields them; the stream ends."""
+    error = json.loads(error_body(500, GENERATION_ERROR))
+    job.conn.write_chunk(b"data: " + json.dumps(error).encode() + b"\n\n")
+    job.conn.write_chunk(render.DONE)
+    job.conn.end_stream()
+    job.rec.fail(200, f"fault: error after {limit} tokens")
 
 
 def _reset_after(job: Job, pieces: list[str], out: render.Outcome, limit: int) -> None:
@@ -206,12 +236,15 @@ async def _stream(job: Job, pre: Prefill) -> None:
         conn.write_chunk(render.role_chunk(req))
     pacer = _Pacer(eng.config.decode_tps)
     pieces: list[str] = []
-    limit = job.faults.close_after_tokens
+    limit, error_limit = job.faults.close_after_tokens, job.faults.error_after_tokens
     for piece, finish, stop in eng.steps(req, pre):
         await pacer.wait(len(pieces))
         if limit is not None and len(pieces) >= limit:
             job.rec.fail(200, f"fault: closed after {limit} tokens")
             conn.abort()
+            return
+        if error_limit is not None and len(pieces) >= error_limit:
+            _error_event(job, error_limit)
             return
         await _hang_after(job, len(pieces))
         pieces.append(piece)

@@ -251,6 +251,27 @@ async def test_hang_after_tokens_streaming(session, path):
         assert sim.counters.client_disconnects == 1
 
 
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("decode_tps", [0, 500])  # inline and paced
+async def test_error_after_tokens_streams_vllm_s_error_event(session, path, decode_tps):
+    async with running_sim(SimConfig(decode_tps=decode_tps)) as sim:
+        sim.set_faults(error_after_tokens=3)
+        status, raw = await post(session, sim.url + path, body_for(path, 8, stream=True))
+        assert status == 200
+        head, _, _ = raw.rpartition(b'data: {"error"')
+        assert len(_tokens(head)) == 3
+        # vLLM's bytes: json.dumps' separators, then [DONE]
+        assert raw.endswith(
+            b'data: {"error": {"message": "Internal server error", "type": "InternalServerError",'
+            b' "param": null, "code": 500}}\n\ndata: [DONE]\n\n'
+        )
+        assert sim.generation_requests()[-1].error == "fault: error after 3 tokens"
+        status, _ = await post(session, sim.url + path, body_for(path, 8))
+        assert status == 500  # a whole answer: vLLM's 500
+        status, raw = await post(session, sim.url + path, body_for(path, 3, stream=True))
+        assert status == 200 and b'"error"' not in raw  # N tokens or fewer: completes
+
+
 async def test_hang_after_tokens_non_streaming(session):
     async with running_sim(SimConfig()) as sim:
         sim.set_faults(hang_after_tokens=3)
