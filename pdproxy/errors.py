@@ -136,6 +136,21 @@ class UpstreamError(ProxyError):
         self.leg = leg
 
 
+class EngineErrorEvent(UpstreamError):
+    """The decode engine streamed its own error event mid-stream (vLLM's
+    ``data: {"error": {...}}``, then ``[DONE]``): the stream is cut there and a resumable
+    one migrates; one that cannot gets ``event``, the engine's own event, once."""
+
+    def __init__(self, event: bytes) -> None:
+        super().__init__("decode engine sent an error event mid-stream", leg="decode")
+        self.event = event
+
+    def sse(self) -> bytes:
+        """The engine's event, ended with ``[DONE]`` as vLLM ends it."""
+        event = self.event.rstrip() + b"\n\n"
+        return event if event.endswith(b"data: [DONE]\n\n") else event + b"data: [DONE]\n\n"
+
+
 class UpstreamConnectError(UpstreamError):
     status = 503
     error_type = "ServiceUnavailableError"

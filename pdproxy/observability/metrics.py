@@ -237,8 +237,8 @@ class ProxyMetrics:
         )
         self.migrations = Counter(
             "pdproxy_migrations_total",
-            "Streams cut mid-answer (reason: reset, timeout, drain) and what became of them"
-            " (outcome: migrated, failed, limit, budget, unreadable, finished).",
+            "Streams cut mid-answer (reason: reset, timeout, drain, engine_error) and what became"
+            " of them (outcome: migrated, failed, limit, budget, unreadable, finished).",
             ("reason", "outcome"),
             registry=registry,
         )

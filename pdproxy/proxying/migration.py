@@ -1,13 +1,14 @@
 """Mid-stream migration: a streamed answer whose decode is cut continues on another decode.
 
 When a decode's stream ends without its terminator (a reset or closed connection, the
-stream watchdog, a drain that migrates), the relay asks ``Migrations`` for a continuation:
-the same request with what the client already received appended to its prompt
-(``wire.continuation``), through a prefill and another decode as any request, never on a
-decode it was cut on. The continuation's stream is read in the cut one's place, rewritten
-so that the client sees one stream. At most ``--migration-limit`` migrations per request,
-each spending the fleet-wide retry budget; a request that cannot be continued exactly in
-kind (``not_migratable``) keeps the error event, and nothing is kept for it.
+stream watchdog, a drain that migrates) or with the engine's own error event, the relay
+asks ``Migrations`` for a continuation: the same request with what the client already
+received appended to its prompt (``wire.continuation``), through a prefill and another
+decode as any request, never on a decode it was cut on. The continuation's stream is read
+in the cut one's place, rewritten so that the client sees one stream. At most
+``--migration-limit`` migrations per request, each spending the fleet-wide retry budget; a
+request that cannot be continued exactly in kind (``not_migratable``) keeps the error
+event, and nothing is kept for it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from pdproxy.errors import ProxyError, UpstreamError, UpstreamTimeout
+from pdproxy.errors import EngineErrorEvent, ProxyError, UpstreamError, UpstreamTimeout
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import current
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
@@ -61,6 +62,8 @@ def cut_reason(failure: ProxyError) -> str | None:
     own shutdown, a prefill's failure)."""
     if isinstance(failure, MigrationRequested):
         return "drain"
+    if isinstance(failure, EngineErrorEvent):
+        return "engine_error"
     if not isinstance(failure, UpstreamError) or failure.leg != "decode":
         return None
     return "timeout" if isinstance(failure, UpstreamTimeout) else "reset"

@@ -2,10 +2,10 @@
 
 The only inspection is the stream's tail: a vLLM completions or chat stream always ends
 with ``data: [DONE]`` (a Responses API stream with its terminal event: ``Framing``), so a
-stream that ends without it was cut, and the client gets one OpenAI-style error event
-instead of a silent truncation, unless a ``Resume`` hook continues it on another decode
-(``migrate_with``): the relay then reads the continuation's stream in place of the cut one,
-its events rewritten so that the client sees one stream.
+stream that ends without it was cut (so is a migratable one with the engine's own error
+event), and the client gets one OpenAI-style error event instead of a silent truncation,
+unless a ``Resume`` hook continues it on another decode (``migrate_with``): the relay then
+reads the continuation's stream in place of the cut one, rewritten to read as one stream.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from typing import Protocol
 
 import orjson
 
+from pdproxy import errors
 from pdproxy.errors import ProxyError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from pdproxy.wire.continuation import engine_error_at
 
 _DONE = b"data: [DONE]"
 SSE_DONE = _DONE + b"\n\n"
@@ -157,11 +159,8 @@ class StreamRelay:
         framing: Framing = OPENAI_SSE,
     ) -> None:
         self._upstream = upstream
-        self._ends, self._error_event, self._tail_size = (
-            framing.ends,
-            framing.error_event,
-            framing.tail,
-        )
+        self._ends, self._error_event = framing.ends, framing.error_event
+        self._tail_size = framing.tail
         self._on_close: Callable[[], None] | None = on_close
         self._failure: ProxyError | None = None
         self._done = False
@@ -176,6 +175,7 @@ class StreamRelay:
         self._kept: list[bytes] | None = None  # the engine's bytes, kept while resumable
         self._kept_bytes = 0
         self._fold: Fold | None = None
+        self._pending: errors.EngineErrorEvent | None = None  # read after events still to hand out
         self._inner: StreamRelay | None = None  # the continuation read in place of this
         self._rewrite: Callable[[bytes], bytes] | None = None
         self._clock = watchdog.clock
@@ -222,7 +222,8 @@ class StreamRelay:
 
     def _push(self, chunk: bytes) -> bool:
         write = self._write
-        if write is None or chunk.endswith(SSE_DONE) or not write(chunk):
+        stop = self._resume is not None and engine_error_at(chunk) >= 0  # next_chunk's to cut
+        if stop or write is None or chunk.endswith(SSE_DONE) or not write(chunk):
             self._write = None
             self._upstream.push_to(None)
             return False
@@ -307,14 +308,21 @@ class StreamRelay:
             return await self._next_continued(self._inner)
         if self._first is not None:
             chunk, self._first = self._first, None
-            return chunk
+            if self._resume is None or (at := engine_error_at(chunk)) < 0:
+                return chunk
+            self._kept = []  # it is kept again as far as it is handed out
+            return await self._engine_error(chunk, at)
         if self._done:
             return None
+        if self._pending is not None:
+            return await self._cut(self._pending)
         try:
             chunk = await self._upstream.read_chunk()
         except UpstreamError as exc:
             return await self._cut(exc)
         if chunk:
+            if self._resume is not None and (at := engine_error_at(chunk)) >= 0:
+                return await self._engine_error(chunk, at)
             self._seen(chunk)
             return chunk
         if not self._tail.rstrip().endswith(self._ends):
@@ -325,10 +333,18 @@ class StreamRelay:
         self._upstream.release()  # complete: keep the connection for the next request
         return None
 
+    async def _engine_error(self, chunk: bytes, at: int) -> bytes | None:
+        """The engine's error event at ``at`` cuts the stream; the events before it go first."""
+        if at == 0:
+            return await self._cut(errors.EngineErrorEvent(chunk))
+        self._pending = errors.EngineErrorEvent(chunk[at:])
+        self._seen(chunk[:at])
+        return chunk[:at]
+
     async def _cut(self, error: UpstreamError) -> bytes | None:
         """The stream was cut: continue it elsewhere if it may be, else its error event."""
         resume, kept = self._resume, self._kept
-        self._resume = self._kept = self._fold = None
+        self._resume = self._kept = self._fold = self._pending = None
         if resume is None or kept is None:
             return self._fail(error)
         # The cut leg ends now (uncounted, judged by its failure), before the continuation's
@@ -365,10 +381,11 @@ class StreamRelay:
 
     def _fail(self, error: UpstreamError) -> bytes:
         self._done = True
-        self._failure = self._failure or error
-        tail = self._tail
-        separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-        return separator + self._error_event(self._failure)
+        failure = self._failure = self._failure or error
+        separator = b"" if not self._tail or self._tail.endswith(b"\n\n") else b"\n\n"
+        if isinstance(failure, errors.EngineErrorEvent):  # the engine's own, as without migration
+            return separator + failure.sse()
+        return separator + self._error_event(failure)
 
     def close(self) -> None:
         if self._inner is not None:

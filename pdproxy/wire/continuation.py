@@ -33,6 +33,8 @@ from pdproxy.wire.shaping import (
 )
 
 _DATA = b"data: "
+_ENGINE_ERROR = b'data: {"error"'  # vLLM's mid-stream error event (a token's: {"id")
+_ERROR_ENDS = (b"}}\n\n", b"[DONE]\n\n")  # how a read with one ends (vLLM: then [DONE])
 _EVENT_END = b"\n\n"
 _DONE = b"[DONE]"
 # The fields that say which response a chunk belongs to; the continuation's take the
@@ -322,3 +324,18 @@ def _carry(usage: dict[str, Any], carried: int) -> None:
     if type(prompt) is int and type(completion) is int:
         usage["prompt_tokens"] = max(0, prompt - carried)
         usage["completion_tokens"] = completion + carried
+
+
+def engine_error_at(chunk: bytes) -> int:
+    """Where the engine's own error event starts in ``chunk`` (a read of its stream), or -1.
+
+    O(1) for a token's chunk: only a read that starts with one, or ends as one or with the
+    ``[DONE]`` vLLM sends right after it, is searched. JSON escapes quotes and newlines in
+    strings, so generated text cannot hold the marker.
+    """
+    if chunk.startswith(_ENGINE_ERROR):
+        return 0
+    if not chunk.endswith(_ERROR_ENDS):
+        return -1
+    at = chunk.rfind(_EVENT_END + _ENGINE_ERROR)
+    return at + 2 if at >= 0 else -1
