@@ -65,3 +65,13 @@ async def test_past_the_limit_the_client_sees_the_engine_s_error_event_once():
         outcome = {"reason": "engine_error", "outcome": "limit"}
         assert f.metric("pdproxy_migrations_total", **outcome) == 2
         await assert_settled(f)
+
+
+async def test_under_render_once_an_engine_error_event_migrates_and_the_stream_is_whole():
+    async with fleet(proxy={"render_once": True}) as f:
+        want = await answers(f, "chat", 4, usage=True)
+        f.decodes[0].set_faults(error_after_tokens=3)
+        got = await answers(f, "chat", 4, usage=True)
+        assert_same(got, want, "chat", True)
+        assert migrated(f, "engine_error") >= 1
+        await assert_settled(f)
