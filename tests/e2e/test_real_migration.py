@@ -102,6 +102,9 @@ def _generate(pair: EnginePair, ids: list[int], stream: bool) -> dict[str, Any]:
 class _Stream:
     """One streamed answer, read as it comes: its events and the tokens counted so far."""
 
+    def __repr__(self) -> str:
+        return f"<{self.tokens} tokens, last events {self.events[-2:]}>"
+
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
         self.tokens = 0
@@ -158,6 +161,16 @@ async def _add_decode(proxy: RunningProxy, url: str) -> None:
         assert r.status == 200, await r.text()
 
 
+def _under_way(streams: dict[str, _Stream], readers: list[asyncio.Future[None]], n: int) -> bool:
+    """Every stream has ``n`` tokens; a reader that ended before (an error status, a
+    stream that ended) fails the test at once, with its reason, instead of a long wait."""
+    for reader in readers:
+        if reader.done():
+            reader.result()  # raises the reader's failure
+            raise AssertionError(f"a stream ended before {n} tokens: {streams}")
+    return all(s.tokens >= n for s in streams.values())
+
+
 def _routable(proxy: RunningProxy, url: str) -> bool:
     return any(e.url == url for e in proxy.state.registry.snapshot().decode)
 
@@ -193,13 +206,13 @@ async def test_a_killed_decode_s_streams_complete_on_the_other(
             ),
         ]
         # every stream under way on the doomed decode (the only one) before the other joins
-        await wait_until(lambda: all(s.tokens >= 1 for s in streams.values()), 120, 0.02)
+        await wait_until(lambda: _under_way(streams, readers, 1), 120, 0.02)
         for proxy in (text, rendered):
             await _add_decode(proxy, pair.decode_url)
         await wait_until(
             lambda: all(_routable(p, pair.decode_url) for p in (text, rendered)), timeout=30
         )
-        await wait_until(lambda: all(s.tokens >= CUT_AFTER for s in streams.values()), 120, 0.02)
+        await wait_until(lambda: _under_way(streams, readers, CUT_AFTER), 120, 0.02)
         cut_at = {name: s.tokens for name, s in streams.items()}
         os.killpg(doomed_decode.pid, signal.SIGKILL)
         await wait_until(lambda: not doomed_decode.alive(), 30)  # dead, and reaped

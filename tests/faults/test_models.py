@@ -91,11 +91,23 @@ async def test_retries_stay_with_the_model(role, faults):
         await assert_settled(f)
 
 
-async def test_decode_killed_mid_stream_ends_with_one_error_event():
+async def test_decode_killed_mid_stream_migrates_within_its_model():
+    """Both of the model's decodes cut their streams after 3 tokens: each stream continues on
+    the model's other decode (never the other model's) and completes (6 tokens: one
+    migration), and past --migration-limit it ends with the error event."""
     async with two_models() as m:
         f = m.fleet
         for d in f.decodes[:2]:
             d.set_faults(close_after_tokens=3)
+        all_ok(await drive(f, 4, stream=True))
+        migrated = f.proxy.state.metrics.registry.get_sample_value(
+            "pdproxy_migrations_total", {"reason": "reset", "outcome": "migrated"}
+        )
+        assert migrated == 4
+        assert _untouched(m.other)
+        await assert_settled(f)
+        for d in f.decodes[:2]:
+            d.set_faults(close_after_tokens=1)  # 6 tokens need 5 migrations: past the limit
         outcomes = await drive(f, 4, stream=True)
         assert all(o.status == 200 and o.error == "BadGatewayError" for o in outcomes)
         assert _untouched(m.other)

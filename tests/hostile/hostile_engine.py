@@ -224,7 +224,8 @@ def quick() -> dict[str, Any]:
     retry, round-robin: every case's pdproxy settings unless it overrides them."""
     return dict(
         timeouts=Timeouts(connect=1.0, read=5.0, prefill=5.0, decode_headers=5.0),
-        health=HealthConfig(interval=0, engine_metrics_interval=0),
+        # no health probes, load scrapes or /v1/models reads: only the legs reach the engine
+        health=HealthConfig(interval=0, engine_metrics_interval=0, models_interval=0),
         outlier=OutlierConfig(consecutive_failures=0),
         retry=RetryConfig(max_retries=1, initial_backoff=0.01, max_backoff=0.05),
         scheduling=SchedulingConfig(prefill_policy="round-robin", decode_policy="round-robin"),
