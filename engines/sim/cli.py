@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -246,64 +247,55 @@ def _add_fault_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=kind, default=default, help=text)
 
 
+# SimConfig's fields read from the command line as they are (the rest are built below)
+_PLAIN_FIELDS = (
+    "host",
+    "port",
+    "model",
+    "max_model_len",
+    "role",
+    "connector",
+    "kv_host",
+    "kv_port",
+    "kv_lease_s",
+    "kv_dir",
+    "block_size",
+    "num_blocks",
+    "prefix_cache_blocks",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+    "kv_events_encoding",
+    "dp_size",
+    "tp_size",
+    "transfer_mode",
+    "kv_wait_timeout_s",
+    "bootstrap_port",
+    "register",
+    "register_format",
+    "register_interval_s",
+    "zmq_address",
+    "strict",
+    "ttft_ms",
+    "prefill_us_per_token",
+    "decode_tps",
+    "max_running",
+    "prefill_concurrency",
+    "keep_alive_s",
+    "record_limit",
+    "responses_store",
+    "ssl_keyfile",
+    "ssl_certfile",
+    "ssl_ca_certs",
+    "ssl_cert_reqs",
+)
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
+    # every Faults field has its --fault-<name> flag (``_add_fault_flags``)
     faults = Faults(
-        status=args.fault_status,
-        hang=args.fault_hang,
-        close_after_tokens=args.fault_close_after_tokens,
-        refuse_connections=args.fault_refuse_connections,
-        slow_start_s=args.fault_slow_start_s,
-        headers_delay_s=args.fault_headers_delay_s,
-        reset_after_bytes=args.fault_reset_after_bytes,
-        hang_after_tokens=args.fault_hang_after_tokens,
-        error_after_tokens=args.fault_error_after_tokens,
-        fail_kv_load=args.fault_fail_kv_load,
-        health_delay_s=args.fault_health_delay_s,
-        health_status=args.fault_health_status,
+        **{f.name: getattr(args, f"fault_{f.name}") for f in dataclasses.fields(Faults)}
     )
-    kwargs: dict[str, Any] = {
-        k: getattr(args, k)
-        for k in (
-            "host",
-            "port",
-            "model",
-            "max_model_len",
-            "role",
-            "connector",
-            "kv_host",
-            "kv_port",
-            "kv_lease_s",
-            "kv_dir",
-            "block_size",
-            "num_blocks",
-            "prefix_cache_blocks",
-            "kv_events_endpoint",
-            "kv_events_replay_endpoint",
-            "kv_events_encoding",
-            "dp_size",
-            "tp_size",
-            "transfer_mode",
-            "kv_wait_timeout_s",
-            "bootstrap_port",
-            "register",
-            "register_format",
-            "register_interval_s",
-            "zmq_address",
-            "strict",
-            "ttft_ms",
-            "prefill_us_per_token",
-            "decode_tps",
-            "max_running",
-            "prefill_concurrency",
-            "keep_alive_s",
-            "record_limit",
-            "responses_store",
-            "ssl_keyfile",
-            "ssl_certfile",
-            "ssl_ca_certs",
-            "ssl_cert_reqs",
-        )
-    }
+    kwargs: dict[str, Any] = {name: getattr(args, name) for name in _PLAIN_FIELDS}
     if args.engine_id:
         kwargs["engine_id"] = args.engine_id
     kwargs["served_models"] = tuple(args.served_models)
