@@ -174,6 +174,10 @@ class LegCounts:
     # requests reserved on it: the scheduler's count of this proxy's load.
     work: float = 0.0
     reserved: int = 0  # requests bound for it whose leg has not started (a decode awaiting P)
+    # The prompt tokens its prefill legs in flight still have to compute (each prompt less
+    # its predicted hit; estimated where the token count is unknown): the queue in tokens
+    # of work that ``kv-events`` weighs against a cached prefix (``scheduling.kv_cost``).
+    queued_tokens: float = 0.0
     # Legs in flight per DP rank (index = rank), for rank balancing; grown on demand.
     rank_in_flight: list[int] = field(default_factory=list)
     # KV sources (NIXL: prefill engine ids) this decode has read from since it was last

@@ -46,6 +46,16 @@ from pdproxy.wire.shaping import decode_body, is_streaming, leg_headers
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class LegSize:
+    """A prefill leg as the scheduler counts it while it runs: ``weight`` requests of
+    typical size (``SpeedTracker.weight``) and ``tokens`` prompt tokens to compute (its
+    prompt less its predicted hit)."""
+
+    weight: float = 1.0
+    tokens: float = 0.0
+
+
 class Legs:
     def __init__(
         self,
@@ -84,10 +94,10 @@ class Legs:
         await self._watchdog.aclose()
 
     async def prefill(
-        self, request: ClientRequest, transfer: Transfer, weight: float = 1.0
+        self, request: ClientRequest, transfer: Transfer, size: LegSize = LegSize()
     ) -> dict[str, Any]:
-        """Run the clamped prefill leg and return P's answer; ``weight`` is its size as the
-        scheduler counts it (``Endpoint.work``)."""
+        """Run the clamped prefill leg and return P's answer; ``size`` is how the scheduler
+        counts it while it runs (``LegCounts.work`` and ``queued_tokens``)."""
         endpoint = transfer.decision.prefill
         rank = transfer.decision.prefill_dp_rank
         body = orjson.dumps(self._connector.prefill_body(request.body, transfer))
@@ -95,7 +105,7 @@ class Legs:
         trace = current()
         span = trace.prefill_started(transfer.request_id, endpoint.url, rank, headers)
         started = time.perf_counter()
-        self._enter(endpoint, rank, weight)
+        self._enter(endpoint, rank, size.weight, size.tokens)
         try:
             try:
                 upstream = await self._client.post(
@@ -116,7 +126,7 @@ class Legs:
             self._abandoned(endpoint, span)
             raise
         finally:
-            leave(endpoint, rank, weight)
+            leave(endpoint, rank, size.weight, size.tokens)
             trace.prefill_ended = ended = time.perf_counter()
         self._metrics.prefill_seconds.observe(ended - started)
         trace.prefill_answered = ended
@@ -193,8 +203,10 @@ class Legs:
         span.end(None)
         return response
 
-    def _enter(self, endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
-        enter(endpoint, rank, weight)
+    def _enter(
+        self, endpoint: Endpoint, rank: int | None, weight: float = 1.0, tokens: float = 0.0
+    ) -> None:
+        enter(endpoint, rank, weight, tokens)
         self._metrics.count_leg(endpoint.role.value, endpoint.url)
 
     def _failed(
@@ -247,9 +259,11 @@ class Legs:
             self._verdicts.judge(leg.endpoint, failure)
         span.end(None if failure is None else type(failure).__name__)
 
-    async def concurrent(self, request: ClientRequest, transfer: Transfer) -> ProxyResponse:
+    async def concurrent(
+        self, request: ClientRequest, transfer: Transfer, size: LegSize = LegSize()
+    ) -> ProxyResponse:
         """Send P and D together (push/WRITE transfers); a failed P aborts D."""
-        prefill = asyncio.create_task(self.prefill(request, transfer))
+        prefill = asyncio.create_task(self.prefill(request, transfer, size))
         decode = asyncio.create_task(self.decode(request, transfer, None))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
@@ -291,11 +305,13 @@ class _DecodeLeg:
     pair: PairDecision | None = None  # None: a decode-only request
 
 
-def enter(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
+def enter(endpoint: Endpoint, rank: int | None, weight: float = 1.0, tokens: float = 0.0) -> None:
     """Count a leg on ``endpoint`` (and its DP rank) while it runs; ``weight`` is its size
-    for the scheduler (a prefill's prompt over the typical one)."""
+    for the scheduler (a prefill's prompt over the typical one), ``tokens`` the prompt
+    tokens a prefill leg has to compute (``LegCounts.queued_tokens``)."""
     endpoint.legs.in_flight += 1
     endpoint.legs.work += weight
+    endpoint.legs.queued_tokens += tokens
     if rank is not None:
         counts = endpoint.legs.rank_in_flight
         if len(counts) <= rank:
@@ -303,10 +319,12 @@ def enter(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
         counts[rank] += 1
 
 
-def leave(endpoint: Endpoint, rank: int | None, weight: float = 1.0) -> None:
-    endpoint.legs.in_flight -= 1
-    idle = not endpoint.legs.in_flight and not endpoint.legs.reserved
-    endpoint.legs.work = 0.0 if idle else endpoint.legs.work - weight  # no float drift
+def leave(endpoint: Endpoint, rank: int | None, weight: float = 1.0, tokens: float = 0.0) -> None:
+    legs = endpoint.legs
+    legs.in_flight -= 1
+    idle = not legs.in_flight and not legs.reserved
+    legs.work = 0.0 if idle else legs.work - weight  # no float drift
+    legs.queued_tokens = 0.0 if not legs.in_flight else max(legs.queued_tokens - tokens, 0.0)
     if rank is not None and rank < len(endpoint.legs.rank_in_flight):
         endpoint.legs.rank_in_flight[rank] -= 1
 

@@ -33,7 +33,7 @@ from pdproxy.observability.request_context import bind_predicted, bind_request_i
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.first_token import FirstTokenPath
 from pdproxy.proxying.kv_release import KVRelease
-from pdproxy.proxying.legs import Legs
+from pdproxy.proxying.legs import Legs, LegSize
 from pdproxy.proxying.lora_demand import LoraOnDemand
 from pdproxy.proxying.migration import MigrationRequested, Migrations
 from pdproxy.proxying.retries import Retries, RetryRun
@@ -178,12 +178,13 @@ class Orchestrator:
             decoding = False
             try:
                 if self._connector.runs_concurrently(transfer):
-                    return await self._legs.concurrent(request, transfer)
+                    size = self._prefill_size(run, transfer.decision)
+                    return await self._legs.concurrent(request, transfer, size)
                 if answer is None:
                     run.reserve(transfer.decision.decode)
                     started = time.perf_counter()
-                    weight = self._scheduler.speeds.weight(run.features.tokens)
-                    answer = await self._legs.prefill(request, transfer, weight)
+                    size = self._prefill_size(run, transfer.decision)
+                    answer = await self._legs.prefill(request, transfer, size)
                     self._scheduler.speeds.observe(
                         transfer.decision.prefill,
                         time.perf_counter() - started,
@@ -215,6 +216,13 @@ class Orchestrator:
                 if answer is not None:  # the client left during a backoff
                     self._release.orphaned(request, transfer, answer, failed=None)
                 raise
+
+    def _prefill_size(self, run: _Run, decision: PairDecision) -> LegSize:
+        """How the prefill leg counts while it runs: its weight in typical requests, and
+        the prompt tokens it has to compute (less the hit its events predict)."""
+        tokens = run.features.tokens
+        uncached = max(tokens - (decision.prefill_cached or 0), 0.0)
+        return LegSize(self._scheduler.speeds.weight(tokens), uncached)
 
     def _prefills_exhausted(self, run: _Run, transfer: Transfer, failure: UpstreamError) -> bool:
         """Under ``--decode-only-fallback``: a retryable prefill failure with every other
@@ -319,6 +327,10 @@ def _replaced(
     decision: PairDecision, role: Role, chosen: Endpoint, rank: int | None
 ) -> PairDecision:
     """``decision`` with ``chosen`` (on DP rank ``rank``) as its instance of ``role``."""
+    # The prediction was for the instance replaced: none for its successor (the self-check
+    # must not compare another engine's hit with it).
     if role is Role.PREFILL:
-        return dataclasses.replace(decision, prefill=chosen, prefill_dp_rank=rank)
-    return dataclasses.replace(decision, decode=chosen, decode_dp_rank=rank)
+        return dataclasses.replace(
+            decision, prefill=chosen, prefill_dp_rank=rank, prefill_cached=None
+        )
+    return dataclasses.replace(decision, decode=chosen, decode_dp_rank=rank, decode_cached=None)

@@ -34,25 +34,41 @@ class KVEventsScorer:
         ) = None
 
     def score(self, ctx: Context, endpoints: Sequence[EndpointView]) -> list[float]:
+        return self._measure(ctx, endpoints, in_tokens=False)
+
+    def cached_tokens(self, ctx: Context, endpoints: Sequence[EndpointView]) -> list[float]:
+        """The prompt tokens each instance is predicted to find cached (0 under
+        ``min_share``): its events' hit where followed, else the approximate index's share
+        of the prompt's tokens."""
+        return self._measure(ctx, endpoints, in_tokens=True)
+
+    def _measure(
+        self, ctx: Context, endpoints: Sequence[EndpointView], *, in_tokens: bool
+    ) -> list[float]:
+        """Each instance's hit: a share of the prompt, or (``in_tokens``) its tokens."""
         ids = ctx.features.token_ids
         index = self.index
         if ids is None or not index.live or index.block_size < 1:
-            return self.fallback.score(ctx, endpoints)
+            shares = self.fallback.score(ctx, endpoints)
+            return [s * ctx.features.tokens for s in shares] if in_tokens else shares
         depths = _depths(ctx, index, ids)
         positions, unfollowed = self._positions_of(endpoints)
         scores = [0.0] * len(endpoints)
         if unfollowed:  # the approximate index's word for those
             approximate = self.fallback.score(ctx, endpoints)
+            scale = float(len(ids)) if in_tokens else 1.0
             for at in unfollowed:
-                scores[at] = approximate[at]
+                scores[at] = approximate[at] * scale
         most = (len(ids) - 1) // index.block_size  # blocks vLLM may hit
         if most < 1:
             return scores
         floor = max(self.min_share * most, 1)
+        size = index.block_size
         for name, depth in depths.items():  # only the instances holding the first block
             where = positions.get(name)
             if where is not None and depth >= floor:
-                scores[where] = max(scores[where], min(depth, most) / most)
+                hit = min(depth, most)
+                scores[where] = max(scores[where], hit * size if in_tokens else hit / most)
         return scores
 
     def _positions_of(self, endpoints: Sequence[EndpointView]) -> tuple[dict[str, int], list[int]]:

@@ -12,7 +12,10 @@ prefix-affinity     the instance holding the longest prefix of the prompt, among
                     cache_aware)
 kv-aware            most free KV cache and fewest requests (the engines' /metrics)
 kv-events           prefix-affinity scored by the exact cached prefix each engine
-                    reports in its KV events (``kv_scorer``), where they are followed
+                    reports in its KV events (``kv_scorer``), where they are followed;
+                    on the prefill leg, the hit against the queue in tokens of work
+                    (``kv_cost``); on the decode leg, the blocks held (the overload
+                    filter and the load tie-break weigh them against load)
 ==================  ===============================================================
 """
 
@@ -26,6 +29,7 @@ from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.scheduling import Filter, Picker, Scorer
 from pdproxy.scheduling.context import Context
 from pdproxy.scheduling.filters import ModelFilter, OverloadFilter
+from pdproxy.scheduling.kv_cost import PrefillCostScorer
 from pdproxy.scheduling.kv_events import KVIndex
 from pdproxy.scheduling.kv_scorer import KVEventsScorer
 from pdproxy.scheduling.pickers import (
@@ -40,6 +44,7 @@ from pdproxy.scheduling.pickers import (
 from pdproxy.scheduling.prefix_index import PrefixIndex
 from pdproxy.scheduling.scorers import KVUsageScorer, LoadScorer, PrefixScorer
 from pdproxy.scheduling.view import EndpointView
+from pdproxy.types import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,31 +84,41 @@ class RolePolicy:
         return total
 
 
-_Factory = Callable[[SchedulingConfig, random.Random, KVIndex], RolePolicy]
+_Factory = Callable[[SchedulingConfig, random.Random, KVIndex, Role], RolePolicy]
 
 
-def _round_robin(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
+def _round_robin(
+    config: SchedulingConfig, rng: random.Random, kv: KVIndex, role: Role
+) -> RolePolicy:
     return RolePolicy("round-robin", (ModelFilter(),), (), RoundRobinPicker())
 
 
-def _random(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
+def _random(config: SchedulingConfig, rng: random.Random, kv: KVIndex, role: Role) -> RolePolicy:
     return RolePolicy("random", (ModelFilter(),), (), RandomPicker(rng))
 
 
-def _least_loaded(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
+def _least_loaded(
+    config: SchedulingConfig, rng: random.Random, kv: KVIndex, role: Role
+) -> RolePolicy:
     return RolePolicy("least-loaded", (ModelFilter(),), (), LeastLoadedPicker(rng))
 
 
-def _power_of_two(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
+def _power_of_two(
+    config: SchedulingConfig, rng: random.Random, kv: KVIndex, role: Role
+) -> RolePolicy:
     return RolePolicy("power-of-two", (ModelFilter(),), (), PowerOfTwoPicker(rng))
 
 
-def _consistent_hash(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
+def _consistent_hash(
+    config: SchedulingConfig, rng: random.Random, kv: KVIndex, role: Role
+) -> RolePolicy:
     picker = ConsistentHashPicker(LeastLoadedPicker(rng))
     return RolePolicy("consistent-hash", (ModelFilter(),), (), picker)
 
 
-def _prefix_affinity(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
+def _prefix_affinity(
+    config: SchedulingConfig, rng: random.Random, kv: KVIndex, role: Role
+) -> RolePolicy:
     index = PrefixIndex(config.prefix_index_max_blocks)
     overload = OverloadFilter(config.balance_abs_threshold, config.balance_rel_threshold)
     # The longest match wins; the load breaks ties between equal matches, and a prompt
@@ -113,15 +128,16 @@ def _prefix_affinity(config: SchedulingConfig, rng: random.Random, kv: KVIndex) 
     return RolePolicy("prefix-affinity", (ModelFilter(), overload), scorers, picker, index)
 
 
-def _kv_events(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
+def _kv_events(config: SchedulingConfig, rng: random.Random, kv: KVIndex, role: Role) -> RolePolicy:
     index = PrefixIndex(config.prefix_index_max_blocks)  # for instances without events
     overload = OverloadFilter(config.balance_abs_threshold, config.balance_rel_threshold)
     picker = MaxScorePicker(rng, by_load=True, spread=SpreadNew(rng))
     exact = KVEventsScorer(kv, PrefixScorer(index, config.cache_threshold), config.cache_threshold)
-    return RolePolicy("kv-events", (ModelFilter(), overload), ((exact, 1.0),), picker, index)
+    scorer: Scorer = PrefillCostScorer(exact) if role is Role.PREFILL else exact
+    return RolePolicy("kv-events", (ModelFilter(), overload), ((scorer, 1.0),), picker, index)
 
 
-def _kv_aware(config: SchedulingConfig, rng: random.Random, kv: KVIndex) -> RolePolicy:
+def _kv_aware(config: SchedulingConfig, rng: random.Random, kv: KVIndex, role: Role) -> RolePolicy:
     scorers = ((KVUsageScorer(), 1.0), (LoadScorer(), 1.0))
     return RolePolicy("kv-aware", (ModelFilter(),), scorers, MaxScorePicker(rng))
 
@@ -139,9 +155,14 @@ POLICY_FACTORIES: dict[str, _Factory] = {
 
 
 def build_policy(
-    name: str, config: SchedulingConfig, rng: random.Random, kv: KVIndex | None = None
+    name: str,
+    config: SchedulingConfig,
+    rng: random.Random,
+    kv: KVIndex | None = None,
+    role: Role = Role.DECODE,
 ) -> RolePolicy:
-    """The policy ``name`` (already canonical: ``config.SchedulingConfig`` checks it);
-    ``kv`` is the fleet's KV-event index (``kv-events`` reads it; a fresh one if None)."""
+    """The policy ``name`` (already canonical: ``config.SchedulingConfig`` checks it) for
+    ``role``'s leg; ``kv`` is the fleet's KV-event index (``kv-events`` reads it; a fresh
+    one if None)."""
     index = kv if kv is not None else KVIndex(config.prefix_index_max_blocks)
-    return POLICY_FACTORIES[name](config, rng, index)
+    return POLICY_FACTORIES[name](config, rng, index, role)

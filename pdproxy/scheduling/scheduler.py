@@ -48,13 +48,13 @@ class Scheduler:
         self._decode_alone = decode_alone
         # The fleet's KV-event index: fed by the subscribers, read by ``kv-events``.
         self.kv_index = KVIndex(config.prefix_index_max_blocks)
-        self.prefill = build_policy(config.prefill_policy, config, rng, self.kv_index)
-        self.decode = build_policy(config.decode_policy, config, rng, self.kv_index)
+        self.prefill = build_policy(config.prefill_policy, config, rng, self.kv_index, Role.PREFILL)
+        self.decode = build_policy(config.decode_policy, config, rng, self.kv_index, Role.DECODE)
         # --model-policy: a model's own pair of policies (one dict hit when any is set)
         self._by_model = {
             model: (
-                build_policy(p, config, rng, self.kv_index),
-                build_policy(d, config, rng, self.kv_index),
+                build_policy(p, config, rng, self.kv_index, Role.PREFILL),
+                build_policy(d, config, rng, self.kv_index, Role.DECODE),
             )
             for model, p, d in config.model_policies
         }

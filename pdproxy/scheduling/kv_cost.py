@@ -1,0 +1,65 @@
+"""The prefill leg of ``kv-events``: a cached prefix against a queue, in tokens of work.
+
+A prefill's cache saves compute only if the instance holding it is not so busy that the
+prompt waits longer than it would take to compute it elsewhere. Each candidate's cost is
+the prompt tokens it has to compute before this request's first token:
+
+    cost = (queued prefill tokens + this prompt's uncached tokens) * slowness
+
+- queued: its prefill legs in flight, each prompt less its predicted hit
+  (``LegCounts.queued_tokens``; an estimate where a request's token count is unknown);
+- uncached: the prompt's tokens less those the instance is predicted to hold
+  (``KVEventsScorer.cached_tokens``: its events, else the approximate index);
+- slowness: the instance's measured seconds per token over its role's typical
+  (``scheduling.speed``; 1.0 until measured).
+
+The cheapest scores 1, the others ``cheapest / cost``, so the usual picker takes the
+cheapest (ties by load). A prompt no candidate holds any of scores 0 everywhere, so the
+picker's ``SpreadNew`` places the new prefix instead (the cost would send every new prefix
+to the one idle instance measured fastest, and thrash its cache). The overload filter
+runs first, as for ``prefix-affinity``. Engine load this proxy did not send (other
+replicas and clients) is not in tokens: it counts through the overload filter only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdproxy.scheduling.context import Context
+from pdproxy.scheduling.kv_scorer import KVEventsScorer
+from pdproxy.scheduling.view import EndpointView
+
+
+class PrefillCostScorer:
+    """``cheapest / cost`` per candidate (see the module); 0 for all when nobody holds
+    any of the prompt."""
+
+    type_name = "prefill-cost-scorer"
+
+    def __init__(self, cached: KVEventsScorer) -> None:
+        self.cached = cached
+
+    def score(self, ctx: Context, endpoints: Sequence[EndpointView]) -> list[float]:
+        hits = self.cached.cached_tokens(ctx, endpoints)
+        if max(hits, default=0.0) <= 0.0:
+            return hits  # a new prefix: nobody scored, the picker spreads it
+        costs = prefill_costs(ctx, endpoints, hits)
+        cheapest = min(costs)
+        return [cheapest / cost for cost in costs]
+
+
+def prompt_tokens(ctx: Context) -> float:
+    """The prompt's length: its token ids when the request has them, else the estimate."""
+    ids = ctx.features.token_ids
+    return float(len(ids)) if ids is not None else ctx.features.tokens
+
+
+def prefill_costs(
+    ctx: Context, endpoints: Sequence[EndpointView], hits: Sequence[float]
+) -> list[float]:
+    """Each candidate's cost in tokens of work (at least one token)."""
+    n = prompt_tokens(ctx)
+    return [
+        max((e.legs.queued_tokens + max(n - hit, 0.0)) * e.speed.slowness, 1.0)
+        for e, hit in zip(endpoints, hits, strict=True)
+    ]
