@@ -256,3 +256,27 @@ async def test_instances_added_by_the_admin_api_say_where_their_events_are(tmp_p
         assert gone not in fleet.index.followed and gone not in fleet.status()["instances"]
         assert predicted(f, p, prompt(1)) == 0
         await wait_until(subscriber.done, timeout=3, what="its subscriber stopped")
+
+
+async def test_a_cached_prefix_behind_a_long_queue_loses_to_an_idle_prefill(tmp_path):
+    """The prefill leg's cost in tokens of work: the holder's queue plus the prompt's
+    uncached tail against the whole prompt on an idle prefill."""
+    async with kv_fleet(tmp_path) as f:
+        await generate(f, prompt(0))
+        holder = next(s for s, n in zip(f.prefills, served_by(f), strict=True) if n)
+        idle_one = next(s for s in f.prefills if s is not holder)
+        await wait_until(lambda: predicted(f, holder, prompt(1)) > 0, timeout=3, what="events")
+        n, hit = len(prompt(1)), len(PREFIX)
+        assert predicted(f, holder, prompt(1)) == hit and predicted(f, idle_one, prompt(1)) == 0
+        legs = f.instance(holder).legs
+        # A queue shorter than the hit saves: queue + (n - hit) < n. The holder wins.
+        legs.queued_tokens = hit - 10.0
+        assert cached_tokens(await generate(f, prompt(1))) == hit
+        assert served_by(f)[f.prefills.index(holder)] == 2
+        # A queue longer than the hit saves: the idle prefill computes it all, sooner.
+        legs.queued_tokens = hit + 10.0
+        assert cached_tokens(await generate(f, prompt(2))) == 0
+        assert served_by(f)[f.prefills.index(idle_one)] == 1
+        assert n - hit < hit  # the prompt's own tail is shorter than its shared prefix
+        legs.queued_tokens = 0.0
+        await assert_settled(f)
