@@ -127,4 +127,12 @@ SCHEDULING_FLAGS = (
         help="The engines' KV-events topic (vLLM's kv_events_config topic).",
         field=_S + "kv_events_topic",
     ),
+    Flag(
+        names=("--kv-events-stale-secs",),
+        group=SCHEDULING,
+        help="An engine rank sent work that publishes no KV events for this long is scored "
+        "approximately until they flow again (0: never).",
+        field=_S + "kv_events_stale_secs",
+        type=float,
+    ),
 )

@@ -89,6 +89,9 @@ class SchedulingConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    # seconds without a batch, while sent legs that should store blocks, before an engine
+    # rank's events are stale (scored approximately until they flow again); 0: never
+    kv_events_stale_secs: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_policy", canonical_policy(self.prefill_policy))
@@ -113,6 +116,8 @@ class SchedulingConfig:
         events_endpoint(self.kv_events_replay_endpoint, "--kv-events-replay-endpoint")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.kv_events_stale_secs < 0:
+            raise ConfigError("--kv-events-stale-secs must be >= 0")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ConfigError(
                 "--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1"

@@ -132,7 +132,8 @@ class KVEventFleet:
             "instances": {
                 name: {
                     "endpoint": r.subscriber.endpoint,
-                    "live": name in self.index.live,  # followed and trusted
+                    "live": name in self.index.live,  # followed, trusted, not stale
+                    "stale": name in self.index.staleness.stale,
                     "self_check": _figures(self.index, name),
                     "batches": r.subscriber.stats.batches,
                     "malformed": r.subscriber.stats.malformed,

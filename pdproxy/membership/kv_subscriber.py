@@ -196,6 +196,7 @@ class KVEventSubscriber:
 
     def _apply(self, events: list[Any]) -> None:
         self._index.apply(self.instance, events)
+        self._index.heard(self.instance)
         self.stats.batches += 1
         self.stats.last_batch_at = time.monotonic()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdproxy.scheduling.kv_check import SelfCheck
+from pdproxy.scheduling.kv_stale import Staleness
 from pdproxy.scheduling.prefix_index import PrefixIndex
 
 STORED = "BlockStored"
@@ -173,16 +174,20 @@ class KVIndex:
     Bounded: at most ``max_blocks`` keys (LRU, as ``PrefixIndex``), and per engine at
     most ``max_blocks`` engine hashes remembered for removals (the oldest go first: a
     removal of a forgotten hash is a no-op, and the key then ages out of the LRU).
+    ``stale_after``: seconds without a batch, while sent work, before a rank is stale
+    (``kv_stale``; 0: never).
     """
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, *, stale_after: float = 0.0) -> None:
         self.prefixes = PrefixIndex(max_blocks)
         # engine ranks (``instance_name``) whose events are followed; of them, those the
-        # self-check trusts are ``live``: scored from this index, the others approximately
+        # self-check trusts and that are not stale are ``live``: scored from this index,
+        # the others approximately
         self.followed: set[str] = set()
         self.live: set[str] = set()
         self.live_version = 0  # bumped by every change of ``live``
         self.check = SelfCheck()
+        self.staleness = Staleness(stale_after)
         self.max_blocks = max_blocks
         self.block_size = 0  # learned from the first BlockStored
         self._keys: dict[str, dict[Hashable, int]] = {}  # url -> engine hash -> own key
@@ -203,29 +208,51 @@ class KVIndex:
     def follow(self, name: str) -> None:
         """``name``'s events are followed: score it from this index (once trusted)."""
         self.followed.add(name)
-        if not self.check.distrusted(name):
-            self.live.add(name)
+        self._refresh(name)
         self.live_version += 1
 
     def unfollow(self, name: str) -> None:
         self.followed.discard(name)
         self.live.discard(name)
         self.check.forget(name)
+        self.staleness.forget(name)
         self.live_version += 1
 
     def verify(self, name: str, predicted: int, actual: int) -> None:
         """The engine ``name`` found ``actual`` cached tokens where ``predicted`` were
         expected (``kv_check``): it may lose or regain its place in ``live``."""
-        if name not in self.followed:
-            return
-        change = self.check.record(name, predicted, actual, self.block_size)
-        if change is True:
-            self.live.discard(name)
-        elif change is False:
-            self.live.add(name)
-        else:
-            return
-        self.live_version += 1
+        if name in self.followed:
+            self.check.record(name, predicted, actual, self.block_size)
+            self._refresh(name)
+
+    def heard(self, name: str) -> None:
+        """A batch from ``name`` (applied or not): its events flow."""
+        if self.staleness.heard(name):
+            self._refresh(name)
+
+    def expect(self, name: str, now: float) -> None:
+        """A leg that should store new blocks on ``name`` was sent at ``now``."""
+        if name in self.followed:
+            self.staleness.sent(name, now)
+
+    def sweep(self, now: float) -> None:
+        """Ranks whose events went stale by ``now`` leave ``live``."""
+        for name in self.staleness.sweep(now):
+            self._refresh(name)
+
+    def _refresh(self, name: str) -> None:
+        """``name`` is live iff followed, trusted by the self-check and not stale."""
+        live = (
+            name in self.followed
+            and not self.check.distrusted(name)
+            and name not in self.staleness.stale
+        )
+        if live != (name in self.live):
+            if live:
+                self.live.add(name)
+            else:
+                self.live.discard(name)
+            self.live_version += 1
 
     def clear(self, url: str) -> None:
         """Everything ``url`` held is gone (its engine cleared or restarted, or it left)."""

@@ -47,7 +47,9 @@ class Scheduler:
         # cannot split is refused (400) rather than sent to a decode that would fail it.
         self._decode_alone = decode_alone
         # The fleet's KV-event index: fed by the subscribers, read by ``kv-events``.
-        self.kv_index = KVIndex(config.prefix_index_max_blocks)
+        self.kv_index = KVIndex(
+            config.prefix_index_max_blocks, stale_after=config.kv_events_stale_secs
+        )
         self.prefill = build_policy(config.prefill_policy, config, rng, self.kv_index, Role.PREFILL)
         self.decode = build_policy(config.decode_policy, config, rng, self.kv_index, Role.DECODE)
         # --model-policy: a model's own pair of policies (one dict hit when any is set)
@@ -104,6 +106,8 @@ class Scheduler:
                 raise NoEndpointAvailable(f"no prefill instance{_serving(features)} is available")
             return self._decode_only(ctx, snapshot.decode, NO_PREFILL)
         prefill_policy, decode_policy = self._policies(features)
+        if self.kv_events:
+            self.kv_index.sweep(ctx.now)  # ranks whose events stopped are scored approximately
         if not self._decider.disaggregate(ctx, self._cached_tokens(ctx, prefill_policy)):
             return self._decode_only(ctx, snapshot.decode, SHORT_PROMPT)
         prefill = _owned(prefill_policy.choose(ctx, snapshot.prefill))
@@ -116,11 +120,29 @@ class Scheduler:
         )
         if not self.kv_events:  # nothing new per request when the policy is off
             return decision
-        return dataclasses.replace(
+        decision = dataclasses.replace(
             decision,
             prefill_cached=predicted_tokens(ctx, self.kv_index, prefill),
             decode_cached=predicted_tokens(ctx, self.kv_index, decode),
         )
+        self._expect_events(ctx, decision)
+        return decision
+
+    def _expect_events(self, ctx: Context, decision: PairDecision) -> None:
+        """Each leg whose prompt has whole blocks its engine is not predicted to hold
+        will make it publish: its events' staleness clock starts (``kv_stale``)."""
+        ids = ctx.features.token_ids
+        size = self.kv_index.block_size
+        if ids is None or size < 1:
+            return
+        whole = len(ids) // size * size
+        legs = (
+            (decision.prefill, decision.prefill_dp_rank, decision.prefill_cached),
+            (decision.decode, decision.decode_dp_rank, decision.decode_cached),
+        )
+        for endpoint, rank, cached in legs:
+            if cached is not None and cached < whole:
+                self.kv_index.expect(instance_name(endpoint.url, rank or 0), ctx.now)
 
     def pick(
         self, role: Role, features: RequestFeatures, candidates: Sequence[Endpoint]

@@ -5,6 +5,7 @@ forgets a restarted engine's blocks and relearns them."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -43,7 +44,9 @@ def prompt(i: int, prefix: list[int] = PREFIX) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def kv_fleet(tmp: Path, encoding: str = "map") -> AsyncIterator[Fleet]:
+async def kv_fleet(
+    tmp: Path, encoding: str = "map", stale_secs: float = 30.0
+) -> AsyncIterator[Fleet]:
     events = f"ipc://{tmp}/{{port}}.events"
     replay = f"ipc://{tmp}/{{port}}.replay"
     common: dict[str, Any] = dict(
@@ -69,6 +72,7 @@ async def kv_fleet(tmp: Path, encoding: str = "map") -> AsyncIterator[Fleet]:
             decode_policy="kv-events",
             kv_events_endpoint=events,
             kv_events_replay_endpoint=replay,
+            kv_events_stale_secs=stale_secs,
         )
         config = ProxyConfig(
             prefill=tuple(EngineAddress(url=s.url) for s in prefills),
@@ -174,6 +178,43 @@ async def test_events_stop_the_engine_falls_back_to_the_approximate_index_and_re
             answer = await generate(f, prompt(i, other_prefix))
             assert cached_tokens(answer) == len(other_prefix)
         assert name in index.live  # five right in a row
+        f.instance(other).legs.work = 0.0
+        await assert_settled(f)
+
+
+async def test_events_stop_the_engine_goes_stale_by_time_and_returns_when_they_flow(tmp_path):
+    """Events stop, and the engine is sent work that stores blocks: after
+    ``--kv-events-stale-secs`` without a batch it is stale (scored approximately, shown in
+    /status) before the self-check has seen five wrong predictions; it returns with its
+    next batch. Requests are served all along."""
+    stale_secs = 0.5
+    async with kv_fleet(tmp_path, stale_secs=stale_secs) as f:
+        p, other = f.prefills
+        f.instance(other).legs.work = 100.0  # overloaded: every request on p
+        name = instance_name(p.url, 0)
+        index = f.state.kv_events.index
+        warm = model.tokenize(" ".join(f"warm{i}" for i in range(2 * BLOCK)))
+        await generate(f, warm)
+        await wait_until(lambda: index.block_size == BLOCK, timeout=3, what="first events")
+        await wait_until(
+            lambda: index.staleness.waiting_since(name) is None, timeout=3, what="warm events heard"
+        )
+
+        def rank() -> dict[str, Any]:
+            return f.state.kv_events.status()["instances"][name]
+
+        p.kv_events.faults.stopped = True
+        assert (await generate(f, prompt(0)))["choices"]  # stores the prefix, unheard
+        assert name in index.live and not rank()["stale"]
+        await asyncio.sleep(stale_secs)
+        assert (await generate(f, prompt(1)))["choices"]  # its decision sweeps: stale
+        assert rank()["stale"] and not rank()["live"] and name in index.followed
+        assert not rank()["self_check"]["distrusted"]  # time, not the self-check
+        p.kv_events.faults.stopped = False
+        other_prefix = model.tokenize(" ".join(f"tenant{i}" for i in range(8 * BLOCK)))
+        assert (await generate(f, prompt(0, other_prefix)))["choices"]  # stored and heard
+        await wait_until(lambda: not rank()["stale"], timeout=3, what="events flow again")
+        assert name in index.live
         f.instance(other).legs.work = 0.0
         await assert_settled(f)
 
