@@ -53,6 +53,7 @@ ASSETS = {
     "": ("index.html", "text/html; charset=utf-8"),
     "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
     "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "/kv_events.js": ("kv_events.js", "text/javascript; charset=utf-8"),
 }
 # The page may load and fetch from its own origin only; nothing inline, nothing else.
 ASSET_HEADERS = {
@@ -121,6 +122,8 @@ class Dashboard:
             "window": figures_dict(self.window.figures(WINDOW)),
             "series": series_dict(self.window.series(SERIES_STEP), step=SERIES_STEP, span=HISTORY),
             "totals": totals_dict(totals),
+            # /status's: the index and each engine rank's events (null: not configured)
+            "kv_events": None if state.kv_events is None else state.kv_events.status(),
         }
 
     def _proxy(self, now: float) -> dict[str, Any]:

@@ -337,6 +337,7 @@
     renderModels(data.models);
     renderRole("prefill", data.instances);
     renderRole("decode", data.instances);
+    if (window.pdproxyKvEvents) window.pdproxyKvEvents.render(data.kv_events);
   }
 
   function askForKey() {

@@ -132,6 +132,9 @@ class KVEventFleet:
             "instances": {
                 name: {
                     "endpoint": r.subscriber.endpoint,
+                    # subscribed and replayed: its events feed the index
+                    "followed": name in self.index.followed,
+                    "indexed_blocks": self.index.held(name),
                     "live": name in self.index.live,  # followed, trusted, not stale
                     "stale": name in self.index.staleness.stale,
                     "self_check": _figures(self.index, name),

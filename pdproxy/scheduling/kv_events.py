@@ -259,6 +259,11 @@ class KVIndex:
         self._keys.pop(url, None)
         self.prefixes.forget(url)
 
+    def held(self, url: str) -> int:
+        """The blocks ``url`` (an engine rank) holds as its events told them (at most
+        ``max_blocks``)."""
+        return len(self._keys.get(url, ()))
+
     def match(self, keys: tuple[int, ...]) -> dict[str, int]:
         return self.prefixes.match(keys)
 

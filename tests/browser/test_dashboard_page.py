@@ -138,10 +138,58 @@ async def test_dashboard_shows_the_fleet_live(chromium, tmp_path):
                 "/dashboard",
                 "/dashboard/dashboard.css",
                 "/dashboard/dashboard.js",
+                "/dashboard/kv_events.js",
             }
             assert sum(watch.asset_bytes.values()) < PAGE_BUDGET, watch.asset_bytes
         finally:
             await browser.close()
+
+
+async def test_dashboard_shows_each_engine_ranks_kv_events(chromium, tmp_path):
+    """A kv-events fleet: a row per engine rank (followed, indexed blocks, the self-check's
+    figures); a prefill whose events stop while it is sent work gets the ``stale`` badge,
+    and loses it when they flow again. Without events the table stays hidden (above)."""
+    from playwright.async_api import async_playwright
+
+    from engines.sim import model
+    from tests.faults.test_kv_events import generate, kv_fleet, prompt
+
+    TENANT = model.tokenize(" ".join(f"tenant{i}" for i in range(128)))
+    async with kv_fleet(tmp_path, stale_secs=0.5) as f, async_playwright() as pw:
+        p, other = f.prefills
+        f.instance(other).legs.work = 100.0  # every request on p
+        await generate(f, prompt(0))
+        await generate(f, prompt(1))  # a checked prediction
+        browser = await pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = await browser.new_page(viewport={"width": 1440, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(f.proxy.url + "/dashboard")
+            row = f'tr[data-rank="{p.url}|0"]'
+            await page.wait_for_selector(f'{row}[data-badge="events"]')
+            assert await page.locator("[data-kv-rows] tr[data-rank]").count() == 4
+            assert await text(page, f'{row} [data-field="followed"]') == "yes"
+            assert int(await text(page, f'{row} [data-field="indexed_blocks"]')) > 0
+            assert await text(page, f'{row} [data-field="checked"]') == "1"
+            assert await text(page, f'{row} [data-field="wrong"]') == "0"
+            assert await text(page, f'{row} [data-field="error"]') == "0"
+            assert "blocks indexed" in await text(page, '[data-summary="kv_events"]')
+
+            p.kv_events.faults.stopped = True
+            await generate(f, prompt(2))  # its own tail's block, unheard
+            await asyncio.sleep(0.5)
+            await generate(f, prompt(3))  # its decision finds p stale
+            await page.wait_for_selector(f'{row}[data-badge="stale"]', timeout=5000)
+            await page.screenshot(path=tmp_path / "dashboard-kv-stale.png", full_page=True)
+            p.kv_events.faults.stopped = False
+            await generate(f, prompt(4, TENANT))  # stored and heard
+            await page.wait_for_selector(f'{row}[data-badge="events"]', timeout=5000)
+            assert not errors, errors
+            print(f"\nKV-events screenshot in {tmp_path}")
+        finally:
+            await browser.close()
+            f.instance(other).legs.work = 0.0
 
 
 async def _trickle(f) -> None:

@@ -15,7 +15,12 @@ from pdproxy.cli.main import parse_config
 from tests.faults.harness import all_ok, drive, fleet
 
 KEY = "dashboard-test-key"
-PAGE_FILES = ("/dashboard", "/dashboard/dashboard.css", "/dashboard/dashboard.js")
+PAGE_FILES = (
+    "/dashboard",
+    "/dashboard/dashboard.css",
+    "/dashboard/dashboard.js",
+    "/dashboard/kv_events.js",
+)
 PAGE_BUDGET = 200 * 1024  # bytes, the whole page
 # The only absolute URL the page's files may hold: SVG's namespace name, never fetched.
 ALLOWED_ABSOLUTE = {"http://www.w3.org/2000/svg"}
@@ -82,7 +87,11 @@ async def test_data_lists_every_instance_with_its_state():
         d = await data(s, f.proxy.url)
 
         assert d["schema"] == 1
-        assert set(d) == {"schema", "proxy", "instances", "window", "series", "totals", "models"}
+        assert set(d) == {
+            *("schema", "proxy", "instances", "window", "series", "totals", "models"),
+            "kv_events",
+        }
+        assert d["kv_events"] is None  # no engine's KV events configured
         assert d["proxy"]["ready"] is True and d["proxy"]["kv_connector"] == "nixl"
         assert d["proxy"]["in_flight"] == 0 and d["proxy"]["uptime_seconds"] >= 0
         instances = d["instances"]
@@ -243,3 +252,29 @@ async def test_data_needs_a_key_exactly_when_metrics_do():
 def test_no_dashboard_flag_and_env(argv, environ, on):
     engines = ["--prefill", "127.0.0.1:8100", "--decode", "127.0.0.1:8200"]
     assert parse_config([*engines, *argv], environ).dashboard is on
+
+
+async def test_kv_events_rows_come_from_status(tmp_path):
+    """Per engine rank: followed, indexed blocks, the self-check's figures and whether it
+    is stale, as ``/status`` says them (the page's KV-events table renders these)."""
+    from tests.faults.test_kv_events import generate, kv_fleet, prompt
+
+    async with kv_fleet(tmp_path) as f, aiohttp.ClientSession() as s:
+        await generate(f, prompt(0))
+        await generate(f, prompt(1))
+        kv = (await eventually(s, f.proxy.url, _indexed, timeout=3))["kv_events"]
+        async with s.get(f.proxy.url + "/status") as r:
+            status = (await r.json())["kv_events"]
+        assert set(kv["instances"]) == set(status["instances"])
+        assert len(kv["instances"]) == 4  # two prefills and two decodes, one rank each
+        for name, rank in kv["instances"].items():
+            assert rank["followed"] is True and rank["stale"] is False and rank["live"] is True
+            assert rank["indexed_blocks"] == f.state.kv_events.index.held(name)
+        held = [r for r in kv["instances"].values() if r["indexed_blocks"]]
+        assert held and all(r["self_check"]["checked"] >= 1 for r in held)
+        assert sum(r["indexed_blocks"] for r in kv["instances"].values()) >= kv["indexed_blocks"]
+
+
+def _indexed(d: dict) -> bool:
+    instances = d["kv_events"]["instances"].values()
+    return any(r["self_check"] and r["indexed_blocks"] for r in instances)
