@@ -22,6 +22,8 @@ from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.registry import RegistryConfig, SharedRegistryConfig
+from pdproxy.config.scheduling import SchedulingConfig
+from pdproxy.scheduling.kv_events import instance_name
 from pdproxy.types import EndpointState, Role
 from tests.integration.conftest import MODEL
 from tests.scaleout.etcd_server import EtcdServer
@@ -31,7 +33,12 @@ TTL, SWEEP, BEAT = 2.0, 0.1, 0.3  # etcd leases count whole seconds: 2 s is its 
 KEY = "scaleout-admin-key"
 
 
-def _config(etcd: EtcdServer, prefix: str, zmq_port: int | None) -> ProxyConfig:
+def _config(
+    etcd: EtcdServer,
+    prefix: str,
+    zmq_port: int | None,
+    scheduling: SchedulingConfig | None = None,
+) -> ProxyConfig:
     registry = RegistryConfig(
         port=zmq_port,
         host="127.0.0.1",
@@ -39,17 +46,19 @@ def _config(etcd: EtcdServer, prefix: str, zmq_port: int | None) -> ProxyConfig:
         sweep_interval=SWEEP,
         shared=SharedRegistryConfig(etcd=(etcd.endpoint,), prefix=prefix),
     )
-    return ProxyConfig(registry=registry, admin_api_key=KEY)
+    return ProxyConfig(
+        registry=registry, admin_api_key=KEY, scheduling=scheduling or SchedulingConfig()
+    )
 
 
 @contextlib.asynccontextmanager
-async def replicas(etcd: EtcdServer):
+async def replicas(etcd: EtcdServer, scheduling: SchedulingConfig | None = None):
     """Replica A (with the ZMQ registry engines heartbeat to) and replica B (none)."""
     prefix = f"/pdproxy/test-{uuid.uuid4().hex[:8]}/"
     zmq_port = free_port()
     async with (
-        running_proxy(_config(etcd, prefix, zmq_port)) as a,
-        running_proxy(_config(etcd, prefix, None)) as b,
+        running_proxy(_config(etcd, prefix, zmq_port, scheduling)) as a,
+        running_proxy(_config(etcd, prefix, None, scheduling)) as b,
     ):
         yield a, b, f"tcp://127.0.0.1:{zmq_port}", prefix
 
@@ -188,6 +197,27 @@ async def test_admin_removal_on_b_drains_on_a_and_stays_removed(etcd):
         assert await _complete(s, b) == 200 and d2.generation_requests()
         assert await _admin(s, b, "remove", instance=f"127.0.0.1:{d2.port}") == 200
         await _until(lambda: a.state.registry.get(d2.url) is None, timeout=1.0)
+
+
+async def test_an_instance_s_kv_events_endpoints_reach_every_replica(etcd, tmp_path):
+    """An admin addition on A that says where the engine's KV events are: B's copy says
+    it too, and B follows the same publisher (no template on either replica)."""
+    events = f"ipc://{tmp_path}/{{port}}.events"
+    kv = SchedulingConfig(decode_policy="kv-events")
+    async with (
+        running_sim(SimConfig(role="decode", model=MODEL, kv_events_endpoint=events)) as d,
+        replicas(etcd, kv) as (a, b, _, _prefix),
+        aiohttp.ClientSession() as s,
+    ):
+        own = events.replace("{port}", str(d.port))
+        add = {"type": "decode", "instance": f"127.0.0.1:{d.port}", "kv_events_endpoint": own}
+        assert await _admin(s, a, "add", **add) == 200
+        await _until(lambda: b.state.registry.get(d.url) is not None, timeout=2.0)
+        assert b.state.registry.get(d.url).address.kv_events_endpoint == own
+        name = instance_name(d.url, 0)
+        for proxy in (a, b):
+            await _until(lambda p=proxy: name in p.state.kv_events.index.followed, timeout=3.0)
+            assert proxy.state.kv_events.status()["instances"][name]["endpoint"] == own
 
 
 async def test_etcd_outage_loses_no_routing_and_replicas_converge_after(etcd):

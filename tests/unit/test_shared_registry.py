@@ -3,6 +3,7 @@ decision table, and ``ReplicaView`` on a real Membership without etcd (no echo).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -79,10 +80,32 @@ def test_a_record_round_trips_and_is_compact_json():
     assert json.loads(raw)["v"] == 1 and b" " not in raw
 
 
+def test_the_kv_events_endpoints_survive_the_round_trip_and_old_records_still_read():
+    """Every replica follows the same publishers; a record written before the fields
+    existed (or by an instance that named none) reads as one without them."""
+    address = dataclasses.replace(
+        ADDRESS,
+        kv_events_endpoint="tcp://{host}:5557",
+        kv_events_replay_endpoint="ipc:///run/vllm/{port}_{dp_rank}.replay",
+    )
+    record = Record(Role.DECODE, address, Source.ADMIN, "pod-2")
+    value = json.loads(encode(record))
+    assert value["kv_events_endpoint"] == "tcp://{host}:5557"
+    assert decode(encode(record)) == record
+    old = json.loads(encode(_record()))
+    assert not set(old) & {"kv_events_endpoint", "kv_events_replay_endpoint"}
+    assert decode(json.dumps(old).encode()).address.kv_events_endpoint is None
+    old["kv_events_endpoint"] = None  # written as null by another writer: the same
+    assert decode(json.dumps(old).encode()) == _record()
+
+
 @pytest.mark.parametrize(
     "change",
     [
         {"v": 2},
+        {"kv_events_endpoint": "http://h:5557"},
+        {"kv_events_replay_endpoint": 5558},
+        {"kv_events_endpoint": "tcp://{hostname}:5557"},
         {"source": "static"},
         {"role": "both"},
         {"url": "ftp://h:1"},

@@ -10,9 +10,10 @@ percent-encoded so it is one path segment::
     <prefix>removed/<url>                     removed through an admin API; a lease of
                                               ``tombstone_ttl``
 
-A value is a small JSON object (``Record``): the role and the address the engine announced,
-the source, and the replica that wrote it. An instance is in the shared registry while it has
-a claim under ``members/<url>/`` and no ``removed/<url>`` tombstone.
+A value is a small JSON object (``Record``): the role and the address the engine announced
+(with where its KV events are, when it said so), the source, and the replica that wrote
+it. An instance is in the shared registry while it has a claim under ``members/<url>/`` and
+no ``removed/<url>`` tombstone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from pdproxy.config.addresses import kv_address_problem, parse_engine_url
+from pdproxy.config.scheduling import events_endpoint
 from pdproxy.errors import ConfigError
 from pdproxy.types import EngineAddress, Role, Source
 
@@ -36,6 +38,7 @@ _MEMBERS = "members/"
 _REMOVED = "removed/"
 _MAX_VALUE = 16 * 1024
 _MISSING = "--registry-backend etcd:// needs the etcd extra: pip install 'pdproxy[etcd]' (aetcd)"
+_EVENTS_FIELDS = ("kv_events_endpoint", "kv_events_replay_endpoint")  # optional in a value
 
 
 def require_etcd() -> None:
@@ -152,6 +155,11 @@ def encode(record: Record) -> bytes:
         "transfer_mode": a.transfer_mode,
         "bootstrap_url": a.bootstrap_url,
     }
+    # Where its KV events are, when it said so: every replica follows the same publishers.
+    # Absent otherwise, so a record reads (and is written) as before these fields existed.
+    for name in _EVENTS_FIELDS:
+        if (endpoint := getattr(a, name)) is not None:
+            value[name] = endpoint
     return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -175,6 +183,8 @@ def decode(raw: bytes) -> Record:
         tp_size=_size(value, "tp_size"),
         transfer_mode=_optional(value, "transfer_mode"),
         bootstrap_url=_optional(value, "bootstrap_url"),
+        kv_events_endpoint=_events(value, "kv_events_endpoint"),
+        kv_events_replay_endpoint=_events(value, "kv_events_replay_endpoint"),
     )
     return Record(Role(_field(value, "role", str)), address, source, _field(value, "replica", str))
 
@@ -196,6 +206,15 @@ def _kv_address(value: dict[str, Any]) -> str | None:
     if text is not None and kv_address_problem(text) is not None:
         raise ValueError("zmq_address is not a KV address")
     return text
+
+
+def _events(value: dict[str, Any], name: str) -> str | None:
+    """As a registration's (tcp:// or ipc://, a template of {host}, {port}, {dp_rank});
+    a record written before the field existed has none."""
+    try:
+        return events_endpoint(value.get(name), name)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def _size(value: dict[str, Any], name: str) -> int:
