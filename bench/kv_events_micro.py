@@ -1,5 +1,6 @@
-"""The kv-events policy's cost per decision at 64 instances and ~100k indexed blocks,
-against prefix-affinity's, and the index's own costs. Run: ``python -m bench.kv_events_micro``."""
+"""The kv-events policy's cost per decision at 64 instances and ~100k indexed blocks (the
+prefill leg's, which adds the cost in tokens to the decode leg's blocks held), against
+prefix-affinity's, and the index's own costs. Run: ``python -m bench.kv_events_micro``."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def main() -> None:
             event = stored(hashes, None, tokens, BLOCK, "map")
             index.apply(name, decode_batch([0.0, [event], 0])[0])
     config = SchedulingConfig(prefix_index_max_blocks=100_000)
-    kv = build_policy("kv-events", config, random.Random(0), index)
+    kv = build_policy("kv-events", config, random.Random(0), index, Role.PREFILL)  # the cost
+    kv_decode = build_policy("kv-events", config, random.Random(0), index, Role.DECODE)
     approximate = build_policy("prefix-affinity", config, random.Random(0))
     hit = held[5 * PREFIXES] + [1] * 100
     miss = [rng.randrange(50_000) for _ in range(len(hit))]
@@ -51,6 +53,7 @@ def main() -> None:
     print(f"indexed blocks: {len(index)}, instances: {INSTANCES}, prompt: {len(hit)} tokens")
     print(f"kv-events decision, hit:        {per_call(lambda: decide(kv, hit)):7.1f} us")
     print(f"kv-events decision, miss:       {per_call(lambda: decide(kv, miss)):7.1f} us")
+    print(f"kv-events decode leg, hit:      {per_call(lambda: decide(kv_decode, hit)):7.1f} us")
     print(f"prefix-affinity decision:       {per_call(lambda: decide(approximate, hit)):7.1f} us")
     print(f"block_keys of the prompt:       {per_call(lambda: block_keys(hit, BLOCK)):7.1f} us")
     event = decode_batch(

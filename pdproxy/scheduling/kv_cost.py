@@ -57,9 +57,11 @@ def prompt_tokens(ctx: Context) -> float:
 def prefill_costs(
     ctx: Context, endpoints: Sequence[EndpointView], hits: Sequence[float]
 ) -> list[float]:
-    """Each candidate's cost in tokens of work (at least one token)."""
+    """Each candidate's cost in tokens of work (at least one token). A hit is never more
+    than the prompt (``KVEventsScorer.cached_tokens``)."""
     n = prompt_tokens(ctx)
-    return [
-        max((e.legs.queued_tokens + max(n - hit, 0.0)) * e.speed.slowness, 1.0)
+    costs = [
+        (e.legs.queued_tokens + n - hit) * e.speed.slowness
         for e, hit in zip(endpoints, hits, strict=True)
     ]
+    return costs if min(costs) >= 1.0 else [c if c > 1.0 else 1.0 for c in costs]
