@@ -215,6 +215,7 @@ async def assert_settled(f: Fleet) -> None:
             and all(
                 e.legs.in_flight == 0
                 and e.legs.work == 0
+                and e.legs.queued_tokens == 0
                 and e.legs.reserved == 0
                 and not any(e.legs.rank_in_flight)
                 for e in state.registry.all()
