@@ -10,6 +10,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
+from engines.sim.kv_events import stored
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.resilience import OutlierConfig, RetryConfig
 from pdproxy.config.scheduling import SchedulingConfig
@@ -23,9 +24,11 @@ from pdproxy.errors import (
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.legs import LegSize
 from pdproxy.proxying.orchestrator import Orchestrator
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
+from pdproxy.scheduling.kv_events import decode_batch, instance_name
 from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.types import ApiKind, Endpoint, EngineAddress, Role, Source
 
@@ -39,12 +42,15 @@ class FakeLegs:
 
     def __init__(self, decode_script=(), prefill_script=(), decode_hangs=False):
         self.calls: list[tuple[str, str]] = []
+        self.sizes: list[tuple[float, int | None]] = []  # each prefill's tokens and prediction
         self._decode = list(decode_script)
         self._prefill = list(prefill_script)
         self._hang = decode_hangs
 
-    async def prefill(self, request, transfer, weight=1.0):
+    async def prefill(self, request, transfer, size=None):
+        size = size or LegSize()
         self.calls.append(("prefill", transfer.decision.prefill.url))
+        self.sizes.append((size.tokens, transfer.decision.prefill_cached))
         error = self._prefill.pop(0) if self._prefill else None
         if error is not None:
             raise error
@@ -68,7 +74,7 @@ class FakeRelease:
         self.orphans.append(failed.url if failed else None)
 
 
-def _orchestrator(legs, *, connector="nixl", decodes=2, retry=None):
+def _orchestrator(legs, *, connector="nixl", decodes=2, retry=None, scheduling=None):
     registry = EndpointRegistry(lambda: 0.0)
     for i in range(2):
         registry.add(_endpoint(Role.PREFILL, f"http://p{i}:1"))
@@ -81,7 +87,8 @@ def _orchestrator(legs, *, connector="nixl", decodes=2, retry=None):
     orchestrator = Orchestrator(
         registry=registry,
         scheduler=Scheduler(
-            SchedulingConfig(prefill_policy="round-robin", decode_policy="round-robin"),
+            scheduling
+            or SchedulingConfig(prefill_policy="round-robin", decode_policy="round-robin"),
             clock=lambda: 0.0,
             rng=random.Random(1),
             max_age=3.0,
@@ -155,6 +162,26 @@ async def test_prefill_failure_is_retried_on_the_other_prefill():
     orchestrator, _ = _orchestrator(legs)
     assert (await orchestrator.handle(REQUEST)).status == 200
     assert legs.calls[:2] == [("prefill", "http://p0:1"), ("prefill", "http://p1:1")]
+
+
+async def test_a_prefill_leg_counts_its_prompt_less_its_predicted_hit_and_a_retry_all_of_it():
+    """``LegCounts.queued_tokens`` gets the prompt's uncached tokens; the prediction was for
+    the first prefill only, so its replacement counts (and is checked against) none."""
+    ids = list(range(500, 628))  # 8 blocks of 16: 7 may hit
+    legs = FakeLegs(prefill_script=[None, UpstreamServerError(leg="prefill", status=500)])
+    kv_events = SchedulingConfig(prefill_policy="kv-events", decode_policy="round-robin")
+    orchestrator, _ = _orchestrator(legs, scheduling=kv_events)
+    kv = orchestrator._scheduler.kv_index
+    for i in range(2):
+        kv.follow(instance_name(f"http://p{i}:1", 0))
+    event = stored(list(range(8)), None, ids, 16, "map")
+    kv.apply(instance_name("http://p0:1", 0), decode_batch([0.0, [event], 0])[0])
+    request = ClientRequest(ApiKind.COMPLETIONS, {"model": "m", "prompt": ids}, None, None)
+    assert (await orchestrator.handle(request)).status == 200
+    assert legs.sizes == [(128.0 - 112, 112)]
+    assert (await orchestrator.handle(request)).status == 200  # p0 fails, p1 retries
+    assert legs.calls[2:4] == [("prefill", "http://p0:1"), ("prefill", "http://p1:1")]
+    assert legs.sizes[1:] == [(16.0, 112), (128.0, None)]
 
 
 async def test_single_decode_is_retried_after_a_backoff():
