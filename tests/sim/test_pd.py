@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from engines.sim import SimConfig, SimHandle, running_sim
 from bench.fleet import metric_sum
+from engines.sim import SimConfig, SimHandle, running_sim
 from engines.sim.model import tokenize
 from tests.sim.helpers import (
     CHAT,
