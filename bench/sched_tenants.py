@@ -215,6 +215,7 @@ def report(
     print("\n" + text)
     out = Path(args.out_dir)
     stem = "sched-tenants-quick" if args.quick else "sched-tenants"
+    stem += f"-rate{t.rate:g}" if args.rate else ""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(text + "\n")
     data = {
@@ -235,6 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="A smoke run: 8 tenants, 6 s per column.")
     p.add_argument("--columns", nargs="+", choices=NAMES, help="Default: all.")
     p.add_argument("--no-anchor", action="store_true", help="Leave vllm-router out.")
+    p.add_argument("--rate", type=float, help="Requests/s, the other client's included.")
     p.add_argument("--out-dir", default="bench/results", help="Where the table and JSON go.")
     p.add_argument("--logdir", default=None, help="Keep process logs here (default: temporary).")
     return p.parse_args(argv)
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.load_before = os.getloadavg()[0]
     t = TENANTS_QUICK if args.quick else Tenants()
+    t = dataclasses.replace(t, rate=args.rate) if args.rate else t
     notes: list[str] = []
     o = Options(t, tuple(args.columns or NAMES), get_anchor(args, notes), "")
 
