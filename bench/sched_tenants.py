@@ -202,13 +202,17 @@ def get_anchor(args: argparse.Namespace, notes: list[str]) -> anchors.Anchor | N
 
 
 def report(
-    args: argparse.Namespace, t: Tenants, results: Sequence[TenantResult], notes: list[str]
+    args: argparse.Namespace,
+    t: Tenants,
+    results: Sequence[TenantResult],
+    notes: list[str],
+    load_before: float,
 ) -> None:
     oracle = oracle_hit_rate(t, multi_tenant(t, salt="oracle"))
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     lines = targets(results, oracle)
     text = (
-        f"machine: {machine}; load average at the start {args.load_before:.1f}\n\n"
+        f"machine: {machine}; load average at the start {load_before:.1f}\n\n"
         f"{table(results, oracle)}\n\n" + "".join(f"- {line}\n" for line in lines)
     )
     text += "".join(f"\nskipped: {n}" for n in notes)
@@ -220,7 +224,7 @@ def report(
     (out / f"{stem}.md").write_text(text + "\n")
     data = {
         "machine": machine,
-        "load_average_at_start": args.load_before,
+        "load_average_at_start": load_before,
         "tenants": asdict(t),
         "oracle_hit_rate": oracle,
         "targets": lines,
@@ -244,7 +248,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.load_before = os.getloadavg()[0]
+    load_before = os.getloadavg()[0]
     t = TENANTS_QUICK if args.quick else Tenants()
     t = dataclasses.replace(t, rate=args.rate) if args.rate else t
     notes: list[str] = []
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return await main_async(dataclasses.replace(o, logdir=logdir))
 
     results, more = run_with_logdir("pdproxy-bench-tenants-", args.logdir, run)
-    report(args, t, results, notes + more)
+    report(args, t, results, notes + more, load_before)
     return 0 if all(r.errors + r.direct_errors == 0 for r in results) else 1
 
 

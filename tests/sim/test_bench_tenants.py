@@ -12,7 +12,7 @@ import orjson
 from bench.sched_drive import usage_of
 from bench.sched_stats import Answer
 from bench.sched_tenants import KV_EVENTS, Options, main_async
-from bench.sched_workloads import TENANTS_QUICK, Tenants, Timed, multi_tenant
+from bench.sched_workloads import Tenants, Timed, multi_tenant
 from bench.tenant_figures import (
     KV_EVENTS_LL,
     PREFIX_AFFINITY,
@@ -109,4 +109,3 @@ async def test_a_tiny_run_through_kv_events_on_sims(tmp_path: Path):
     assert r.requests > 10 and r.errors == 0 and r.direct_errors == 0
     assert 0 < r.hit_rate < 1  # the usage's cached tokens came through PD
     assert r.kv_blocks_loaded > 0 and r.decode_held_share > 0  # decodes hold tenants too
-    assert TENANTS_QUICK.seconds < Tenants().seconds
