@@ -50,6 +50,7 @@ ANCHOR ?=
 bench: install
 	$(PY) -m bench.run $(if $(ANCHOR),--anchor $(ANCHOR)) $(BENCH_ARGS)
 	$(PY) -m bench.sched_micro
+	$(PY) -m bench.kv_events_micro
 	$(PY) -m bench.model_routing
 
 ## fuzz: the differential test of the legs' HTTP/1.1 client against h11, at length
@@ -74,12 +75,15 @@ SOAK_ARGS ?=
 soak: install
 	$(PY) -m bench.soak $(SOAK_ARGS)
 
-## bench-sched: scheduling policies on a 4P4D sim fleet, three workloads (SCHED_ARGS=--quick: ~1 min)
+## bench-sched: scheduling policies on a 4P4D sim fleet, three workloads (SCHED_ARGS=--quick: ~1 min),
+## then the multi-tenant run with KV events and vllm-router's cache_aware (TENANTS_ARGS=--no-anchor ...)
 SCHED_ARGS ?=
+TENANTS_ARGS ?=
 .PHONY: bench-sched
 bench-sched: install
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) -m bench.sched $(SCHED_ARGS)
+	$(PY) -m bench.sched_tenants $(filter --quick,$(SCHED_ARGS)) $(TENANTS_ARGS)
 
 ## bench-render-once: --render-once against the text path on the real CPU NIXL pair (SmolLM2), same run
 RENDER_ONCE_ARGS ?=

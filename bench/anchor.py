@@ -23,7 +23,7 @@ import fcntl
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,12 +50,25 @@ class Anchor:
         (pdproxy's level in the benchmark). Its Prometheus listener defaults to a fixed
         port (29000), so it gets a free one; the startup check polls every second (the
         default 30 s would only delay the start: the sims answer before it runs)."""
+        return self.fleet_command(port, [prefill], [decode], metrics_port)
+
+    def fleet_command(
+        self,
+        port: int,
+        prefills: Sequence[str],
+        decodes: Sequence[str],
+        metrics_port: int,
+        policy: str = "round_robin",
+    ) -> list[str]:
+        """PD mode over every prefill and decode with one policy for both roles."""
+        fleet = [a for url in prefills for a in ("--prefill", url)]
+        fleet += [a for url in decodes for a in ("--decode", url)]
         return [
             str(self.binary),
             *("--host", "127.0.0.1", "--port", str(port)),
             "--vllm-pd-disaggregation",
-            *("--prefill", prefill, "--decode", decode),
-            *("--policy", "round_robin", "--kv-connector", "nixl"),
+            *fleet,
+            *("--policy", policy, "--kv-connector", "nixl"),
             *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)),
             *("--worker-startup-check-interval", "1", "--log-level", "warning"),
         ]

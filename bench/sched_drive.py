@@ -40,6 +40,21 @@ def parse_stream(raw: bytes) -> tuple[str, int]:
     return "".join(parts), usage_tokens if usage_tokens is not None else len(parts)
 
 
+def usage_of(raw: bytes) -> tuple[int, int]:
+    """(prompt tokens, cached tokens) of a stream's usage chunk; (0, 0) without one."""
+    for line in raw.split(b"\n"):
+        if not line.startswith(b"data: {") or b'"usage"' not in line:
+            continue
+        try:
+            usage = orjson.loads(line[6:]).get("usage")
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(usage, dict) and "prompt_tokens" in usage:
+            details = usage.get("prompt_tokens_details") or {}
+            return int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0)
+    return 0, 0
+
+
 async def send(session: aiohttp.ClientSession, base_url: str, req: Timed) -> Answer:
     """One streamed request; never raises for HTTP or network trouble."""
     started = time.perf_counter()
@@ -57,20 +72,25 @@ async def send(session: aiohttp.ClientSession, base_url: str, req: Timed) -> Ans
     if status != 200 or b"data: [DONE]" not in body:
         return Answer(req.kind, False, first, 0)
     text, tokens = parse_stream(bytes(body))
-    return Answer(req.kind, True, first, tokens, text)
+    return Answer(req.kind, True, first, tokens, text, *usage_of(bytes(body)))
 
 
 async def open_loop(
-    session: aiohttp.ClientSession, base_url: str, plan: Sequence[Timed]
+    session: aiohttp.ClientSession,
+    base_url: str,
+    plan: Sequence[Timed],
+    direct: Sequence[str] = (),
 ) -> list[Answer]:
-    """Send each request at its time, whatever the answers do meanwhile."""
+    """Send each request at its time, whatever the answers do meanwhile; one with a
+    ``target`` goes straight to ``direct[target]`` (another client of the engines)."""
     start = time.monotonic()
     tasks = []
     for req in plan:
         delay = start + req.at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(send(session, base_url, req)))
+        url = base_url if req.target is None else direct[req.target]
+        tasks.append(asyncio.create_task(send(session, url, req)))
     return list(await asyncio.gather(*tasks))
 
 

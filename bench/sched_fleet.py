@@ -33,12 +33,14 @@ class Shape:
     prefill_concurrency: int = 2  # compute lanes per engine (decodes too)
     decode_tps: float = 50.0
     prefix_cache_blocks: int = 8192
+    extra: tuple[str, ...] = ()  # more flags for every sim (KV events, say)
 
     def flags(self, us_per_token: float) -> tuple[str, ...]:
         return (
             *("--prefill-us-per-token", str(us_per_token)),
             *("--prefill-concurrency", str(self.prefill_concurrency)),
             *("--prefix-cache-blocks", str(self.prefix_cache_blocks)),
+            *self.extra,
         )
 
 

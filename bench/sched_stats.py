@@ -25,6 +25,8 @@ class Answer:
     ttft: float  # seconds to the first body bytes
     tokens: int  # completion tokens (the usage chunk, else the content chunks)
     text: str = ""  # the generated text (chat history needs it)
+    prompt_tokens: int = 0  # the usage chunk's
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: the prefill's hit
 
 
 def inflight(metrics_text: str) -> float:

@@ -26,7 +26,9 @@ class Timed:
     path: str
     body: dict[str, Any]
     headers: dict[str, str]
-    kind: str  # "medium", "short", "long" or "chat": TTFT is also reported per kind
+    kind: str  # "medium", "short", "long", "chat", "tenant" or "direct": TTFT per kind
+    group: int = -1  # multi-tenant: the tenant whose system prefix starts the prompt
+    target: int | None = None  # sent straight to this prefill (another client), not pdproxy
 
 
 @dataclass(frozen=True)
@@ -167,3 +169,64 @@ def chat_turn(session: ChatSession, messages: list[Message], max_tokens: int) ->
         "user": session.user,
     }
     return Timed(0.0, CHAT, body, {SESSION_HEADER: session.session_id}, "chat")
+
+
+@dataclass(frozen=True)
+class Tenants:
+    """The multi-tenant workload (issue 22 item 8): tenants with long shared system
+    prefixes and short own suffixes, Zipf-ish popularity, prefix caches that hold only
+    ``cache_tenants`` prompts each (so they evict), and a share of the requests from
+    another client straight to a random prefill (pdproxy never hears of them)."""
+
+    tenants: int = 24
+    prefix_tokens: int = 512  # a multiple of the block: the prefix is whole blocks
+    suffix_tokens: int = 64
+    zipf_s: float = 0.8  # popularity of tenant k is 1 / (k + 1) ** zipf_s
+    rate: float = 12.0  # requests/s, the other client's included
+    seconds: float = 40.0
+    direct_share: float = 0.25
+    prefills: int = 4
+    cache_tenants: int = 5  # every engine's prefix cache holds this many whole prompts
+    block: int = 16  # the sims' block size
+    max_tokens: int = 16
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prefix_tokens + self.suffix_tokens
+
+    @property
+    def cache_blocks(self) -> int:
+        return self.cache_tenants * -(-self.prompt_tokens // self.block)
+
+
+TENANTS_QUICK = Tenants(
+    tenants=8, prefix_tokens=128, suffix_tokens=32, cache_tenants=2, rate=6.0, seconds=6.0
+)
+
+
+def multi_tenant(t: Tenants, salt: str, seed: int = 4) -> list[Timed]:
+    """Poisson arrivals; each prompt is its tenant's prefix (``salt``, the tenant's tag,
+    then words: ``prefix_tokens`` tokens) and a suffix of its own (``suffix_tokens``).
+    ``salt`` must be one token (a word): the prefix then ends on a block boundary."""
+    rng = random.Random(seed)
+    prefixes = [
+        f"{salt} tenant{k} {words(random.Random(seed * 1000 + k), t.prefix_tokens - 2)}"
+        for k in range(t.tenants)
+    ]
+    weights = [1 / (k + 1) ** t.zipf_s for k in range(t.tenants)]
+    out: list[Timed] = []
+    at = rng.expovariate(t.rate)
+    while at < t.seconds:
+        tenant = rng.choices(range(t.tenants), weights)[0]
+        n = len(out)
+        prompt = f"{prefixes[tenant]} q{n} {words(rng, t.suffix_tokens - 1)}"
+        if rng.random() < t.direct_share:
+            body = completion(prompt, 1, f"other-{tenant}")
+            out.append(
+                Timed(at, COMPLETIONS, body, {}, "direct", tenant, rng.randrange(t.prefills))
+            )
+        else:
+            body = completion(prompt, t.max_tokens, f"tenant-{tenant}")
+            out.append(Timed(at, COMPLETIONS, body, {}, "tenant", tenant))
+        at += rng.expovariate(t.rate)
+    return out

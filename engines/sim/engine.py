@@ -77,6 +77,7 @@ class Engine:
         if loaded:
             external = min(len(loaded), n - 1)
             kv = model.extend_kv(loaded[:external], tokens, external, req.model)
+            self._count_loaded_blocks(kv, tokens, external)
             c.tokens_external_kv_transfer += external
             c.tokens_local_compute += n - external
             return Prefill(kv, _reported_cached(req, external), external, n - external)
@@ -87,6 +88,16 @@ class Engine:
         c.tokens_local_cache_hit += cached
         c.tokens_local_compute += n - cached
         return Prefill(kv, cached, 0, n - cached)
+
+    def _count_loaded_blocks(self, kv: list[bytes], tokens: list[int], external: int) -> None:
+        """A decode's prefix cache as vLLM's: the blocks it already holds are not loaded
+        (the connector reads only the rest), and what it received is cached (and, with
+        events, published). The sim's side channel still carries the whole prompt; the
+        counters say what vLLM would have moved."""
+        bs = self.config.block_size
+        held = self.prefix.match_and_insert(kv, tokens) // bs
+        self.counters.kv_blocks_local_hit += held
+        self.counters.kv_blocks_loaded += max(0, -(-external // bs) - held)
 
     def steps(self, req: GenRequest, pre: Prefill) -> Iterator[Step]:
         """Generated pieces; the last one carries finish_reason (and stop_reason)."""

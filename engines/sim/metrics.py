@@ -24,6 +24,8 @@ class Counters:
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
     kv_transfers: int = 0
+    kv_blocks_loaded: int = 0  # a decode's prompt blocks its prefix cache lacked
+    kv_blocks_local_hit: int = 0  # a decode's prompt blocks its prefix cache held
     kv_load_failures: int = 0
     kv_invalid_params: int = 0
     kv_leases_expired: int = 0
@@ -63,6 +65,16 @@ _SIM_COUNTERS = (
     ("sim_kv_bytes_sent_total", "kv_bytes_sent", "KV bytes served to decode engines."),
     ("sim_kv_bytes_received_total", "kv_bytes_received", "KV bytes loaded from prefill."),
     ("sim_kv_transfers_total", "kv_transfers", "Successful KV transfers (either side)."),
+    (
+        "sim_kv_blocks_loaded_total",
+        "kv_blocks_loaded",
+        "Prompt KV blocks a decode loaded over the connector (not in its prefix cache).",
+    ),
+    (
+        "sim_kv_blocks_local_hit_total",
+        "kv_blocks_local_hit",
+        "Prompt KV blocks a decode already held in its prefix cache (not loaded).",
+    ),
     ("sim_kv_load_failures_total", "kv_load_failures", "KV loads that failed (recomputed)."),
     ("sim_kv_invalid_params_total", "kv_invalid_params", "Invalid kv_transfer_params seen."),
     ("sim_kv_leases_expired_total", "kv_leases_expired", "Held KV freed by lease expiry."),

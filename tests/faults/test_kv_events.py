@@ -128,6 +128,9 @@ async def test_the_prefill_holding_the_prefix_is_chosen_and_the_prediction_is_ex
         await wait_until(lambda: predicted(f, holder, prompt(1)) > 0, timeout=3, what="events")
         expected = predicted(f, holder, prompt(1))
         assert expected == len(PREFIX)
+        # The decode publishes the blocks it received, as vLLM's does.
+        receiver = next(s for s in f.decodes if s.generation_requests())
+        await wait_until(lambda: predicted(f, receiver, prompt(1)) > 0, timeout=3, what="D")
         for i in range(1, 5):
             answer = await generate(f, prompt(i))
             assert cached_tokens(answer) == expected  # the engine's own report, through PD
@@ -136,8 +139,9 @@ async def test_the_prefill_holding_the_prefix_is_chosen_and_the_prediction_is_ex
         # The first request came before any event told the block size: no prediction.
         predictions = [line.get("predicted_prefill_cached") for line in lines]
         assert predictions == [None] + [expected] * 4
-        # The sim's decodes publish nothing of what they receive: followed, holding none.
-        assert [line.get("predicted_decode_cached") for line in lines] == [None] + [0] * 4
+        # The decode that received the prefix holds it, and kv-events keeps choosing it.
+        assert [line.get("predicted_decode_cached") for line in lines] == [None] + [expected] * 4
+        assert [len(s.generation_requests()) for s in f.decodes].count(5) == 1
         status = f.state.kv_events.status()
         assert status["indexed_blocks"] > 0 and status["max_blocks"] > 0
         # The self-check's figures: four checked predictions, all exact.

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from bench.fleet import metric_sum
 from engines.sim import SimConfig, SimHandle, running_sim
 from engines.sim.model import tokenize
 from tests.sim.helpers import (
@@ -68,6 +69,29 @@ async def test_1p1d_equals_single_engine(session, tmp_path, connector, path, str
         assert d.counters.tokens_external_kv_transfer > 0
         assert p.gauges().kv_usage == 0.0
         assert p.counters.contract_violations == 0 and d.counters.kv_load_failures == 0
+
+
+async def test_decode_loads_only_the_blocks_its_prefix_cache_lacks(session, tmp_path):
+    """As vLLM's decode: blocks already in its prefix cache are not loaded; what it
+    received is cached, so the same prompt again loads only its last (never-hit) block."""
+    body = body_for(COMPLETIONS, 4)
+    n = len(tokenize(body["prompt"]))
+    whole, hit = -(-n // BLOCK), (n - 1) // BLOCK
+    async with trio("nixl", tmp_path) as (p, d, _single):
+        first = await decode(
+            session, d.url, COMPLETIONS, body, await prefill(session, p.url, COMPLETIONS, body)
+        )
+        assert (d.counters.kv_blocks_loaded, d.counters.kv_blocks_local_hit) == (whole, 0)
+        again = await decode(
+            session, d.url, COMPLETIONS, body, await prefill(session, p.url, COMPLETIONS, body)
+        )
+        assert again == first
+        assert d.counters.kv_blocks_local_hit == hit
+        assert d.counters.kv_blocks_loaded == 2 * whole - hit
+        async with session.get(d.url + "/metrics") as r:
+            text = await r.text()
+    assert metric_sum(text, "sim_kv_blocks_loaded_total") == 2 * whole - hit
+    assert metric_sum(text, "sim_kv_blocks_local_hit_total") == hit
 
 
 async def test_nixl_params_follow_vllm(session, tmp_path):

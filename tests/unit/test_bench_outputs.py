@@ -161,6 +161,14 @@ def test_anchor_command_line_runs_pd_mode_on_the_given_ports():
     ]
 
 
+def test_anchor_fleet_command_lists_every_engine_and_the_policy():
+    a = anchor.Anchor(Path("/venv/bin/vllm-router"), "0.1.17")
+    args = a.fleet_command(1, ["http://p:1", "http://p:2"], ["http://d:1"], 2, "cache_aware")
+    joined = " ".join(args)
+    assert "--prefill http://p:1 --prefill http://p:2 --decode http://d:1" in joined
+    assert "--policy cache_aware" in joined and "--vllm-pd-disaggregation" in args
+
+
 def test_anchor_installs_once_into_its_own_venv(tmp_path: Path):
     venv = tmp_path / "vllm-router-venv"
     calls: list[list[str]] = []
