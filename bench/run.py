@@ -154,7 +154,7 @@ def planned(scenario: Scenario, opts: Options) -> int:
     paths = 2 + (opts.anchor is not None and not scenario.real)
     n = paths * (warmup + opts.rounds * (scenario.concurrency + total))
     if opts.other is not None and not scenario.real:
-        n += warmup + 3 * total
+        n += warmup + 3 * (scenario.concurrency + total)
     if scenario.phases and not scenario.real:
         n += total  # the pass the loop's lag is measured over
     return n
@@ -203,7 +203,10 @@ async def measure(
         if opts.other is not None:
             progress.stage(f"({scenario.letter}) {opts.other.title}")
         direct = load.merged(results["direct"])
-        row.update(await alternate(d, opts.other, total, warm, warmup, n, cpu["pdproxy"], direct))
+        plain = sessions["pdproxy"]
+        row.update(
+            await alternate(d, opts.other, total, warm, warmup, n, cpu["pdproxy"], direct, plain)
+        )
     return row
 
 

@@ -6,10 +6,13 @@ machine state. ``quiet`` (logs at warning: no access line) is the default."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import aiohttp
 
 from bench import load
 from bench.procs import proxy_args, tree_cpu_seconds
@@ -81,23 +84,46 @@ async def alternate(
     n: int,
     cpu: float,
     direct: load.Result | None = None,
+    session: aiohttp.ClientSession | None = None,
 ) -> dict[str, float]:
     """The same load through the variant pdproxy, then once more through each,
     alternately, so both CPU figures come from the same run and machine state. With
-    ``direct`` (the direct path's measured rounds), the TTFT the variant adds too."""
+    ``direct`` (the direct path's measured rounds), the TTFT the variant adds too. As in
+    the measured rounds, each pdproxy's client keeps its connections (``session``: the
+    headline's) and a request per worker before each pass reopens any closed meanwhile."""
     if d.variant_url is None or other is None:
         return {}
     key = other.api_key
-    await load.run(d.variant_url, total=warmup, api_key=key, **warm)
+    async with load.client() as own, contextlib.AsyncExitStack() as stack:
+        plain = session
+        if plain is None:
+            plain = await stack.enter_async_context(load.client())
+        await load.run(d.variant_url, total=warmup, api_key=key, session=own, **warm)
+        return await _passes(d, key, total, warm, (plain, own), n, cpu, direct)
+
+
+async def _passes(
+    d: Deployment,
+    key: str | None,
+    total: int,
+    warm: dict[str, Any],
+    sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession],
+    n: int,
+    cpu: float,
+    direct: load.Result | None,
+) -> dict[str, float]:
     cpu_plain, cpu_other, n_plain, n_other = cpu, 0.0, n, 0
     others: list[load.Result] = []
+    assert d.variant_url is not None
     for url, pid, is_other in (
         (d.variant_url, d.variant_pid, True),
         (d.proxy_url, d.proxy_pid, False),
         (d.variant_url, d.variant_pid, True),
     ):
+        shape = dict(api_key=key if is_other else None, session=sessions[is_other], **warm)
+        await load.run(url, total=warm["concurrency"], **shape)
         before = tree_cpu_seconds(pid)
-        result = await load.run(url, total=total, api_key=key if is_other else None, **warm)
+        result = await load.run(url, total=total, **shape)
         spent = tree_cpu_seconds(pid) - before
         if is_other:
             cpu_other, n_other = cpu_other + spent, n_other + result.requests

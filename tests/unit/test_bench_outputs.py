@@ -150,7 +150,7 @@ def test_progress_plan_counts_every_request():
     assert planned(A, with_anchor) == 3 * (200 + 2 * (32 + 4000))
     assert planned(D, with_anchor) == 2 * (8 + 2 * (4 + 120))  # no anchor on real engines
     quick = Options(other=variant("api-key"), quick=True)
-    assert planned(C, quick) == 2 * (20 + 1 + 50) + 20 + 3 * 50
+    assert planned(C, quick) == 2 * (20 + 1 + 50) + 20 + 3 * (1 + 50)
     assert planned(B_CHAT, plain) == 2 * (200 + 64 + 640) + 640  # and the loop-lag pass
     assert shown("auto", True) and not shown("auto", False)
     assert shown("always", False) and not shown("never", True)
