@@ -39,10 +39,11 @@ check: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-## bench: direct-to-decode vs through pdproxy, against sim engines, in one run, then the
-## scheduler's own cost per decision (64 instances) and the prefix index's bound.
-## BENCH_ARGS="--only a c --variant api-key|access-log|rev=REV" also measures a second
-## pdproxy (a client key, logs at info, another git revision) alternately in the same run.
+## bench: direct-to-decode vs through pdproxy on its default flags, against sim engines, on
+## completions and chat (a-chat, b-chat), in one run; pdproxy's TTFT by phase and its loop's
+## lag under 64 streams; then the scheduler's own cost per decision (64 instances) and the
+## prefix index's bound. A quiet pdproxy (logs at warning) is measured alternately beside it;
+## BENCH_ARGS="--only a b-chat --variant api-key|access-log|rev=REV|none" measures another.
 ## ANCHOR=vllm-router also measures vllm-router (installed from PyPI into its own venv).
 ## Tables on stdout, JSON + Markdown + PNG in bench/results/ (BENCH_ARGS="--json PATH").
 BENCH_ARGS ?=

@@ -44,15 +44,17 @@ def merged(results: Sequence[Result]) -> Result:
     )
 
 
-def body(max_tokens: int, model: str, tag: str = "") -> bytes:
-    return orjson.dumps(
-        {
-            "model": model,
-            "prompt": tag + "The quick brown fox jumps over the lazy dog " * 4,
-            "max_tokens": max_tokens,
-            "stream": True,
-        }
-    )
+APIS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+PROMPT = "The quick brown fox jumps over the lazy dog " * 4
+
+
+def body(max_tokens: int, model: str, tag: str = "", api: str = "completions") -> bytes:
+    """A streamed request of ``api`` (a key of ``APIS``): the same text as a prompt, or as
+    one user message."""
+    text: dict[str, object] = {"prompt": tag + PROMPT}
+    if api == "chat":
+        text = {"messages": [{"role": "user", "content": tag + PROMPT}]}
+    return orjson.dumps({"model": model, **text, "max_tokens": max_tokens, "stream": True})
 
 
 async def _one(
@@ -80,13 +82,18 @@ async def run(
     api_key: str | None = None,
     on_done: Callable[[], None] | None = None,
     session: aiohttp.ClientSession | None = None,
+    api: str = "completions",
+    stamps: dict[str, float] | None = None,
 ) -> Result:
     """``unique_prompts`` gives each request its own prompt, so no engine's prefix cache
     stands in for a prefill or a KV transfer (real engines); ``on_done`` is called after
     each request, answered or failed (the progress bar). With ``session`` (see
-    ``clients``), the workers reuse its open connections; else they open their own."""
-    url = base_url + "/v1/completions"
-    payload = body(max_tokens, model)
+    ``clients``), the workers reuse its open connections; else they open their own. ``api``
+    is a key of ``APIS``. With ``stamps``, each request carries its own ``X-Request-Id``
+    and its TTFT (seconds) is recorded there under that id (``bench.phases`` joins them
+    with pdproxy's access lines)."""
+    url = base_url + APIS[api]
+    payload = body(max_tokens, model, api=api)
     headers = {"Content-Type": "application/json"}
     if api_key is not None:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -98,9 +105,17 @@ async def run(
         nonlocal remaining, errors
         while remaining > 0:
             remaining -= 1
-            data = body(max_tokens, model, f"[{uuid.uuid4().hex}] ") if unique_prompts else payload
+            data = payload
+            if unique_prompts:
+                data = body(max_tokens, model, f"[{uuid.uuid4().hex}] ", api)
+            sent = headers
+            if stamps is not None:
+                sent = {**headers, "X-Request-Id": uuid.uuid4().hex}
             try:
-                ttft.append(await _one(session, url, data, headers))
+                first = await _one(session, url, data, sent)
+                ttft.append(first)
+                if stamps is not None:
+                    stamps[sent["X-Request-Id"]] = first
             except (RuntimeError, aiohttp.ClientError):
                 errors += 1
             if on_done is not None:

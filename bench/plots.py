@@ -21,7 +21,7 @@ from bench.scenarios import SCENARIOS
 # (series label, figure prefix, colour): the direct connection has no router, so no CPU bar
 SERIES = (
     ("direct to decode", "direct", "tab:gray"),
-    ("pdproxy", "proxied", "tab:blue"),
+    ("pdproxy (defaults)", "proxied", "tab:blue"),
     ("vllm-router", "anchor", "tab:orange"),
 )
 CPU = {"proxied": "cpu_ms", "anchor": "anchor_cpu_ms"}

@@ -83,6 +83,8 @@ def sim_args(port: int, role: str, decode_tps: float) -> list[str]:
 
 
 def proxy_args(port: int, prefill: str, decode: str, *extra: str) -> list[str]:
+    """pdproxy on its default flags (logs at info with the access line, health checks, the
+    engines' metrics scrape, the default policy) plus ``extra``."""
     return [
         sys.executable,
         "-m",
@@ -95,7 +97,5 @@ def proxy_args(port: int, prefill: str, decode: str, *extra: str) -> list[str]:
         prefill,
         "--decode",
         decode,
-        "--log-level",
-        "warning",
         *extra,
     ]

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from bench.phases import PHASES
 from bench.scenarios import Scenario, anchor_verdict, verdict
 
 SCHEMA = "pdproxy-bench/1"
@@ -61,6 +62,28 @@ def anchor_table(rows: Rows) -> str:
     return _table(both, ANCHOR_COLUMNS, anchor_verdict) if both else ""
 
 
+def phase_table(rows: Rows) -> str:
+    """pdproxy's TTFT by phase, p50 and p99, a column pair per scenario that traced it, with
+    its event loop's lag and, when it ran, vllm-router's whole added TTFT ('' if none)."""
+    traced = [(s, r) for s, r in rows if r.get("phase_requests")]
+    if not traced:
+        return ""
+    header = ["phase", *(f"{s.letter} {q}" for s, _ in traced for q in ("p50", "p99"))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    entries = [(title, f"phase_{key}_{{}}", "{:.2f} ms") for key, title in PHASES]
+    entries += [
+        ("pdproxy: added TTFT (proxied - direct)", "added_{}", "{:+.2f} ms"),
+        ("vllm-router: added TTFT (no trace)", "anchor_added_{}", "{:+.2f} ms"),
+        ("pdproxy: event-loop lag (/health every 10 ms)", "loop_lag_{}", "{:.2f} ms"),
+    ]
+    for title, key, fmt in entries:
+        cells = [_cell(fmt, r, key.format(q)) for _, r in traced for q in ("p50", "p99")]
+        if any(c != "—" for c in cells):
+            lines.append("| " + " | ".join([title, *cells]) + " |")
+    joined = ", ".join(f"{s.letter}: {r['phase_requests']:.0f}" for s, r in traced)
+    return "\n".join([*lines, "", f"requests joined with their access lines: {joined}"])
+
+
 def _table(rows: Rows, columns: Sequence[Column], judge: Any) -> str:
     header = ["scenario", *(title for title, _, _ in columns), "target"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -83,7 +106,8 @@ def markdown(rows: Rows, meta: dict[str, Any], extra: Sequence[Column] = ()) -> 
     lines = [
         f"machine: {m['arch']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB, {m['cpu']},"
         f" Python {m['python']}",
-        f"pdproxy: {revision}; load average {before[0]:.2f} before, {after[0]:.2f} after",
+        f"pdproxy: {revision}, default flags (the headline), {meta.get('variant') or 'no'}"
+        f" variant beside; load average {before[0]:.2f} before, {after[0]:.2f} after",
         "",
         table(rows, extra),
     ]
@@ -91,6 +115,9 @@ def markdown(rows: Rows, meta: dict[str, Any], extra: Sequence[Column] = ()) -> 
     if versus:
         anchor = meta["anchor"]
         lines += ["", f"pdproxy beside {anchor['name']} {anchor['version']}:", "", versus]
+    by_phase = phase_table(rows)
+    if by_phase:
+        lines += ["", "pdproxy's time to first byte by phase (its access lines):", "", by_phase]
     return "\n".join(lines)
 
 

@@ -2,9 +2,14 @@
 
 Scenarios (issue 3): (a) 32 concurrent streams of 16 tokens as fast as possible, (b) 64
 concurrent streams of 128 tokens at 200 tokens/s each, (c) one request at a time, (d) real
-vLLM engines. For each: requests/s, TTFT p50/p99 direct and proxied, the TTFT pdproxy adds,
-and pdproxy's own CPU time per request (from /proc). With ``--anchor vllm-router``, the Rust
-router measured alike in front of the same sims, interleaved with pdproxy (issue 12).
+vLLM engines; (a-chat) and (b-chat) are (a) and (b) on /v1/chat/completions (issue 24). For
+each: requests/s, TTFT p50/p99 direct and proxied, the TTFT pdproxy adds, and pdproxy's own
+CPU time per request (from /proc). pdproxy runs on its default flags (its logs, access line
+included, to a file); a second pdproxy, quiet (logs at warning) unless ``--variant`` says
+otherwise, is measured alternately beside it. With ``--anchor vllm-router``, the Rust router
+measured alike in front of the same sims, interleaved with pdproxy (issue 12). Under (b),
+pdproxy's TTFT by phase, from its access lines, and its event loop's lag (``bench.phases``,
+``bench.loop_probe``).
 
 Prints Markdown tables, writes every figure with the machine, the git revision and the load
 to a JSON file and draws a PNG chart (bench/results/bench-<time>.{json,md,png} by default).
@@ -19,13 +24,15 @@ import datetime
 import os
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench import anchor as anchors
-from bench import load, report
+from bench import load, phases, report
+from bench.loop_probe import lag, probing
 from bench.procs import process, proxy_args, sim_args, tree_cpu_seconds, wait_healthy
 from bench.progress import MODES, Progress
 from bench.scenarios import Scenario, figures, selected
@@ -147,7 +154,9 @@ def planned(scenario: Scenario, opts: Options) -> int:
     paths = 2 + (opts.anchor is not None and not scenario.real)
     n = paths * (warmup + opts.rounds * (scenario.concurrency + total))
     if opts.other is not None and not scenario.real:
-        n += warmup + 3 * total
+        n += warmup + 3 * (scenario.concurrency + total)
+    if scenario.phases and not scenario.real:
+        n += total  # the pass the loop's lag is measured over
     return n
 
 
@@ -167,6 +176,7 @@ async def measure(
             model=d.model,
             unique_prompts=scenario.real,
             on_done=progress.advance,
+            api=scenario.api,
         )
         warmup, total = scenario.sizes(opts.quick)
         paths = d.paths()
@@ -174,7 +184,10 @@ async def measure(
         for p in paths:
             progress.stage(f"({scenario.letter}) warm-up, {p.name}")
             await load.run(p.url, total=warmup, session=sessions[p.name], **warm)
-        results, cpu = await _rounds(scenario, paths, opts.rounds, total, warm, sessions, progress)
+        stamps: dict[str, float] | None = {} if scenario.phases else None
+        results, cpu = await _rounds(
+            scenario, paths, opts.rounds, total, warm, sessions, progress, stamps
+        )
         row = figures(
             load.merged(results["direct"]),
             load.merged(results["pdproxy"]),
@@ -183,10 +196,37 @@ async def measure(
             cpu.get("vllm-router", 0.0),
         )
         n = int(row["proxied_requests"])
+        if stamps is not None:
+            row.update(await _traced(stamps, f"{logdir}/x.log"))
+            progress.stage(f"({scenario.letter}) event-loop lag, pdproxy")
+            row.update(await _loop_lag(d.proxy_url, total, warm, sessions["pdproxy"]))
         if opts.other is not None:
             progress.stage(f"({scenario.letter}) {opts.other.title}")
-        row.update(await alternate(d, opts.other, total, warm, warmup, n, cpu["pdproxy"]))
+        direct = load.merged(results["direct"])
+        plain = sessions["pdproxy"]
+        row.update(
+            await alternate(d, opts.other, total, warm, warmup, n, cpu["pdproxy"], direct, plain)
+        )
     return row
+
+
+async def _traced(stamps: dict[str, float], log: str) -> dict[str, float]:
+    """pdproxy's TTFT by phase over its measured requests: the client's stamps joined with
+    pdproxy's access lines in its log."""
+    await asyncio.sleep(0.2)  # the last request's line is written after its last byte
+    text = await asyncio.to_thread(Path(log).read_text, errors="replace")
+    return phases.figures(phases.samples(stamps, phases.access_lines(text.splitlines())))
+
+
+async def _loop_lag(url: str, total: int, warm: dict[str, Any], session: Any) -> dict[str, float]:
+    """pdproxy's event-loop lag under the scenario's load, in a pass of its own (the probe's
+    requests stay out of the measured CPU): a second of the probe alone, then the load."""
+    async with probing(url) as samples:
+        await asyncio.sleep(1.0)
+        start = time.monotonic()
+        await load.run(url, total=total, session=session, **warm)
+        end = time.monotonic()
+    return lag(samples, start, end)
 
 
 async def _rounds(
@@ -197,6 +237,7 @@ async def _rounds(
     warm: dict[str, Any],
     sessions: dict[str, Any],
     progress: Progress,
+    stamps: dict[str, float] | None = None,
 ) -> tuple[dict[str, list[load.Result]], dict[str, float]]:
     """``rounds`` of the load through every path, the order reversed every other round
     (direct, pdproxy, vllm-router; then back), so no path always runs in the same slot
@@ -205,7 +246,8 @@ async def _rounds(
     Each path's client keeps its connections open across the scenario, and one request
     per worker before each round (not measured) makes sure they are: a round measures the
     routers' steady state, not a storm of new connections at its start (that one server
-    closed while idle, the other not)."""
+    closed while idle, the other not). With ``stamps``, pdproxy's measured requests carry
+    their ids and their TTFTs are recorded there."""
     results: dict[str, list[load.Result]] = {p.name: [] for p in paths}
     cpu = {p.name: 0.0 for p in paths}
     for r in range(rounds):
@@ -214,7 +256,9 @@ async def _rounds(
             session = sessions[p.name]
             await load.run(p.url, total=scenario.concurrency, session=session, **warm)
             before = tree_cpu_seconds(p.pid) if p.pid else 0.0
-            results[p.name].append(await load.run(p.url, total=total, session=session, **warm))
+            kept = stamps if p.name == "pdproxy" else None
+            result = await load.run(p.url, total=total, session=session, stamps=kept, **warm)
+            results[p.name].append(result)
             cpu[p.name] += tree_cpu_seconds(p.pid) - before if p.pid else 0.0
     return results, cpu
 
@@ -286,16 +330,16 @@ def _positive(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="*", help="scenario letters to run, e.g. a c")
+    p.add_argument("--only", nargs="*", help="scenario ids to run, e.g. a b-chat c")
     p.add_argument(
         "--variant",
         type=variant,
-        default=None,
+        default="quiet",
         help="Also run each simulated scenario through a second pdproxy, alternating with "
-        "the plain one in the same run, and report its CPU cost per request: api-key (checks "
-        "a client key), access-log (logs at info: an access line per request), flags=FLAGS, "
-        "rev=REV (the "
-        "code of git revision REV, for a before/after in one run).",
+        "the headline one (pdproxy's defaults) in the same run, and report its CPU per "
+        "request and added TTFT: quiet (logs at warning, the default), api-key (checks a "
+        "client key), access-log, flags=FLAGS, rev=REV (the code of git revision REV, for a "
+        "before/after in one run), none (no second pdproxy).",
     )
     p.add_argument(
         "--api-key", action="store_true", help="Same as --variant api-key (kept for scripts)."
@@ -327,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     import uvloop
 
-    other = variant("api-key") if args.api_key and args.variant is None else args.variant
+    other = variant("api-key") if args.api_key else args.variant
     anchor = anchors.ensure(args.anchor_venv, args.anchor_version) if args.anchor else None
     rounds = args.rounds or (4 if anchor is not None else 1)
     opts = Options(args.only, other, anchor, rounds, args.quick, args.logdir)

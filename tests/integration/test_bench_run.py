@@ -1,6 +1,7 @@
 """`make bench` end to end, small: `bench.run --quick` on scenario (c) starts the sims and
 pdproxy as processes, measures, and writes its JSON, Markdown and PNG; with vllm-router
-installed (`make bench ANCHOR=vllm-router` installs it), the same beside the anchor."""
+installed (`make bench ANCHOR=vllm-router` installs it), the same beside the anchor. On
+(b-chat), pdproxy on its defaults beside a quiet one, traced by phase, its loop's lag."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from bench import anchor
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def bench(tmp_path: Path, *args: str) -> tuple[str, dict]:
+def bench(tmp_path: Path, *args: str, only: str = "c") -> tuple[str, dict]:
     out = tmp_path / "r.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--only", "c", "--quick", "--json", str(out), *args],
+        [sys.executable, "-m", "bench.run", "--only", only, "--quick", "--json", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -42,6 +43,26 @@ def test_quick_run_writes_every_output(tmp_path: Path):
     assert f["errors"] == 0 and f["proxied_requests"] == f["direct_requests"] == 50
     assert 0 < f["direct_p50"] < f["proxied_p50"] and f["cpu_ms"] > 0
     assert data["anchor"] is None and data["quick"] is True
+    assert data["variant"] == "quiet" and f["cpu_other_ms"] > 0  # the quiet pdproxy beside
+    assert "phase_requests" not in f and "loop_lag_p99" not in f  # traced under (b) only
+
+
+def test_quick_streaming_chat_run_traces_the_default_pdproxy_by_phase(tmp_path: Path):
+    logs = tmp_path / "logs"
+    stdout, data = bench(tmp_path, "--logdir", str(logs), only="b-chat")
+    (b,) = data["scenarios"]
+    assert b["id"] == "b-chat" and b["load"]["api"] == "chat"
+    f = b["figures"]
+    assert f["errors"] == 0 and f["proxied_requests"] == 32
+    assert f["phase_requests"] == 32  # every measured request joined with its access line
+    assert 0 < f["phase_prefill_p50"] <= f["phase_ttfb_p50"] < f["phase_client_ttft_p50"]
+    assert f["phase_decode_headers_p50"] > 0 and f["phase_to_prefill_p50"] >= 0
+    assert f["loop_probes"] > 10 and 0 <= f["loop_lag_p50"] <= f["loop_lag_p99"]
+    assert f["cpu_plain_ms"] > 0 and f["cpu_other_ms"] > 0 and "other_added_p50" in f
+    assert "| arrival → prefill sent |" in stdout and "event-loop lag" in stdout
+    assert "added TTFT p50, quiet" in stdout
+    log = (logs / "x.log").read_text()  # the defaults: logs at info, the access line
+    assert "pdproxy.access: request finished endpoint=/v1/chat/completions" in log
 
 
 @pytest.mark.skipif(

@@ -29,7 +29,9 @@ ACCESS_FIELDS = {
     "decode_url",
     "prefill_dp_rank",
     "retries",
+    "prefill_sent_ms",
     "prefill_ms",
+    "decode_sent_ms",
     "decode_headers_ms",
     "ttfb_ms",
     "total_ms",
@@ -67,6 +69,10 @@ def _check_access(line: dict, request_id: str, status: int, size: int, p, d) -> 
     assert line["bytes_sent"] == size and line["decode_only"] is False
     assert 0 < line["ttfb_ms"] <= line["total_ms"]
     assert line["prefill_ms"] > 0 and line["decode_headers_ms"] > 0
+    # the phases before the first byte, in order: each leg sent after the last one ended
+    assert 0 <= line["prefill_sent_ms"] <= line["prefill_sent_ms"] + line["prefill_ms"]
+    assert line["prefill_sent_ms"] + line["prefill_ms"] <= line["decode_sent_ms"] + 0.1
+    assert line["decode_sent_ms"] + line["decode_headers_ms"] <= line["ttfb_ms"] + 0.1
 
 
 async def test_json_log_names_the_request_on_every_line_and_never_the_prompt(tmp_path):

@@ -35,6 +35,14 @@ def test_access_fields_never_hold_a_body_and_times_are_ms():
     fields = trace.access_fields()
     assert fields["ttfb_ms"] == 250.0 and fields["total_ms"] == 500.0
     assert fields["prefill_ms"] is None and fields["decode_only"] is False
+    assert fields["prefill_sent_ms"] is None and fields["decode_sent_ms"] is None
+    trace.prefill_sent, trace.prefill_ended, trace.decode_sent = 10.01, 10.05, 10.0625
+    fields = trace.access_fields()
+    assert (fields["prefill_sent_ms"], fields["prefill_ms"], fields["decode_sent_ms"]) == (
+        10.0,
+        40.0,
+        62.5,
+    )
     assert all(isinstance(v, (str, int, float, bool, type(None))) for v in fields.values())
 
 
