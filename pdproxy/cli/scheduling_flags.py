@@ -22,14 +22,14 @@ SCHEDULING_FLAGS = (
     Flag(
         names=("--prefill-policy",),
         group=SCHEDULING,
-        help=f"Prefill policy [{DEFAULT_PREFILL_POLICY}].",
+        help=f"Prefill policy [{DEFAULT_PREFILL_POLICY}; kv-events with --kv-events-endpoint].",
         field=_S + "prefill_policy",
         convert=values.prefill_policy,
     ),
     Flag(
         names=("--decode-policy",),
         group=SCHEDULING,
-        help=f"Decode policy [{DEFAULT_DECODE_POLICY}].",
+        help=f"Decode policy [{DEFAULT_DECODE_POLICY}; kv-events with --kv-events-endpoint].",
         field=_S + "decode_policy",
         convert=values.decode_policy,
     ),
@@ -133,6 +133,14 @@ SCHEDULING_FLAGS = (
         help="An engine rank sent work that publishes no KV events for this long is scored "
         "approximately until they flow again (0: never).",
         field=_S + "kv_events_stale_secs",
+        type=float,
+    ),
+    Flag(
+        names=("--kv-queue-weight",),
+        group=SCHEDULING,
+        help="kv-events' prefill cost: the share of an instance's queued prefill tokens a new "
+        "prompt waits for (engines batch several prompts per step; 1: strictly serial).",
+        field=_S + "kv_queue_weight",
         type=float,
     ),
 )

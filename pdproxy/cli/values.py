@@ -55,11 +55,18 @@ def seconds(dest: str) -> Callable[[argparse.Namespace], float]:
 
 
 def prefill_policy(args: argparse.Namespace) -> str:
-    return str(args.prefill_policy or args.policy or DEFAULT_PREFILL_POLICY)
+    return str(args.prefill_policy or args.policy or _events_default(args, DEFAULT_PREFILL_POLICY))
 
 
 def decode_policy(args: argparse.Namespace) -> str:
-    return str(args.decode_policy or args.policy or DEFAULT_DECODE_POLICY)
+    return str(args.decode_policy or args.policy or _events_default(args, DEFAULT_DECODE_POLICY))
+
+
+def _events_default(args: argparse.Namespace, default: str) -> str:
+    """``kv-events`` on both legs where the fleet's events are configured
+    (``--kv-events-endpoint``): measured better than the defaults on ``make bench-sched``'s
+    multi-tenant run (docs/scheduling.md); else the role's default."""
+    return "kv-events" if getattr(args, "kv_events_endpoint", None) else default
 
 
 def dashboard(args: argparse.Namespace) -> bool:

@@ -92,6 +92,9 @@ class SchedulingConfig:
     # seconds without a batch, while sent legs that should store blocks, before an engine
     # rank's events are stale (scored approximately until they flow again); 0: never
     kv_events_stale_secs: float = 30.0
+    # the share of a prefill's queued tokens a new prompt waits for in kv-events' prefill
+    # cost (an engine computes several prompts per step; 1.0: strictly one after another)
+    kv_queue_weight: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_policy", canonical_policy(self.prefill_policy))
@@ -118,6 +121,8 @@ class SchedulingConfig:
             raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.kv_events_stale_secs < 0:
             raise ConfigError("--kv-events-stale-secs must be >= 0")
+        if not 0 <= self.kv_queue_weight <= 1:
+            raise ConfigError("--kv-queue-weight must be in [0, 1]")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ConfigError(
                 "--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1"

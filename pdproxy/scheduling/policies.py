@@ -133,7 +133,9 @@ def _kv_events(config: SchedulingConfig, rng: random.Random, kv: KVIndex, role: 
     overload = OverloadFilter(config.balance_abs_threshold, config.balance_rel_threshold)
     picker = MaxScorePicker(rng, by_load=True, spread=SpreadNew(rng))
     exact = KVEventsScorer(kv, PrefixScorer(index, config.cache_threshold), config.cache_threshold)
-    scorer: Scorer = PrefillCostScorer(exact) if role is Role.PREFILL else exact
+    scorer: Scorer = (
+        PrefillCostScorer(exact, config.kv_queue_weight) if role is Role.PREFILL else exact
+    )
     return RolePolicy("kv-events", (ModelFilter(), overload), ((scorer, 1.0),), picker, index)
 
 

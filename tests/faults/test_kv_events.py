@@ -314,12 +314,13 @@ async def test_a_cached_prefix_behind_a_long_queue_loses_to_an_idle_prefill(tmp_
         n, hit = len(prompt(1)), len(PREFIX)
         assert predicted(f, holder, prompt(1)) == hit and predicted(f, idle_one, prompt(1)) == 0
         legs = f.instance(holder).legs
-        # A queue shorter than the hit saves: queue + (n - hit) < n. The holder wins.
-        legs.queued_tokens = hit - 10.0
+        share = SchedulingConfig().kv_queue_weight  # of the queue a new prompt waits for
+        # A queue shorter than the hit saves: queue * share + (n - hit) < n. The holder wins.
+        legs.queued_tokens = (hit - 10.0) / share
         assert cached_tokens(await generate(f, prompt(1))) == hit
         assert served_by(f)[f.prefills.index(holder)] == 2
         # A queue longer than the hit saves: the idle prefill computes it all, sooner.
-        legs.queued_tokens = hit + 10.0
+        legs.queued_tokens = (hit + 10.0) / share
         assert cached_tokens(await generate(f, prompt(2))) == 0
         assert served_by(f)[f.prefills.index(idle_one)] == 1
         assert n - hit < hit  # the prompt's own tail is shorter than its shared prefix

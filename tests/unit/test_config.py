@@ -209,3 +209,18 @@ def test_hop_id_is_random_and_survives_replace():
     second = parse_config(["--prefill", "a:1", "--decode", "c:3"], {})
     assert len(first.hop_id) == 16 and first.hop_id != second.hop_id
     assert dataclasses.replace(first, port=9).hop_id == first.hop_id  # --workers' resolved port
+
+
+def test_kv_events_is_the_default_policy_where_the_fleets_events_are_configured():
+    """``--kv-events-endpoint`` turns ``kv-events`` on for both legs unless a policy is
+    named (measured better on ``make bench-sched``'s multi-tenant run)."""
+    base = ["--prefill", "a:1", "--decode", "c:3"]
+    plain = parse_config(base, {}).scheduling
+    assert (plain.prefill_policy, plain.decode_policy) == ("prefix-affinity", "least-loaded")
+    events = [*base, "--kv-events-endpoint", "tcp://{host}:5557"]
+    chosen = parse_config(events, {}).scheduling
+    assert (chosen.prefill_policy, chosen.decode_policy) == ("kv-events", "kv-events")
+    named = parse_config([*events, "--decode-policy", "least-loaded"], {}).scheduling
+    assert (named.prefill_policy, named.decode_policy) == ("kv-events", "least-loaded")
+    both = parse_config([*events, "--policy", "round_robin"], {}).scheduling
+    assert (both.prefill_policy, both.decode_policy) == ("round-robin", "round-robin")

@@ -69,6 +69,21 @@ def test_each_prefill_costs_its_queue_plus_the_uncached_prompt_times_its_slownes
     assert _scorer(kv).score(ctx(_features()), eps) == pytest.approx(scores)
 
 
+@pytest.mark.parametrize(
+    ("weight", "scores"),
+    [
+        (1.0, [128 / 216, 1.0]),  # 200 + 16 against 128: the idle one
+        (0.5, [1.0, 116 / 128]),  # 100 + 16 against 128: the holder
+        (0.0, [1.0, 16 / 128]),  # the queue ignored: the hit alone
+    ],
+)
+def test_the_queue_weighs_its_share(weight, scores):
+    kv = KVIndex(1000)
+    eps = _fleet(kv, queued=(200.0, 0.0))
+    scorer = PrefillCostScorer(KVEventsScorer(kv, PrefixScorer(PrefixIndex(100))), weight)
+    assert scorer.score(ctx(_features()), eps) == pytest.approx(scores)
+
+
 def test_a_prompt_nobody_holds_scores_nothing_so_the_picker_spreads_it():
     kv = KVIndex(1000)
     eps = _fleet(kv, held=(0, 0, 0), queued=(0.0, 50.0, 0.0), slowness=(1.0, 1.0, 1.0))
@@ -99,9 +114,10 @@ def test_the_prefill_policy_weighs_the_queue_and_the_decode_policy_the_blocks():
     kv = KVIndex(1000)
     prefill = build_policy("kv-events", CONFIG, random.Random(0), kv, Role.PREFILL)
     decode = build_policy("kv-events", CONFIG, random.Random(0), kv, Role.DECODE)
-    eps = _fleet(kv, queued=(200.0, 0.0))
+    # the default queue weight, 0.5: 150 + 16 against 128, then 100 + 16 against 128
+    eps = _fleet(kv, queued=(300.0, 0.0))
     assert prefill.choose(ctx(_features()), eps) is eps[1]
-    eps[0].legs.queued_tokens = 100.0
+    eps[0].legs.queued_tokens = 200.0
     assert prefill.choose(ctx(_features()), eps) is eps[0]
     # A decode's held blocks are not a queue: the holder, unless overloaded.
     ds = _fleet(kv, queued=(500.0, 0.0))
