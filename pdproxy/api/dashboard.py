@@ -8,7 +8,10 @@ client key exactly when ``/metrics`` does (``--protect-metrics``).
 The windowed figures are computed here, not in the browser: a sampler records the
 cumulative request and TTFT figures from pdproxy's own Prometheus objects every second
 into a ``FleetWindow``, so the page (or ``curl``) gets the last minutes at once, with the
-same numbers in every tab. ``docs/dashboard.md`` documents the JSON.
+same numbers in every tab. Under ``--workers`` every figure is the whole proxy's: the totals
+and the in-flight figures are read from the multiprocess files every worker writes
+(``pdproxy.observability.workers_view``), so the page is the same from every worker.
+``docs/dashboard.md`` documents the JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from prometheus_client.samples import Sample
 
 import pdproxy
 from pdproxy.api.errors import json_response
-from pdproxy.api.info import describe, model_pools
+from pdproxy.api.info import WholeProxy, describe, model_pools, whole_proxy
 from pdproxy.api.state import AppState
 from pdproxy.errors import Unauthorized
 from pdproxy.observability.fleet_view import (
@@ -37,6 +40,7 @@ from pdproxy.observability.fleet_view import (
     totals_from_samples,
 )
 from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.observability.workers_view import read_totals_samples
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.types import ApiKind, Endpoint, EngineLoad
 
@@ -102,7 +106,11 @@ class Dashboard:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def sample(self) -> Totals:
-        totals = read_totals(self._state.metrics)
+        gauges = self._state.worker_gauges
+        if gauges is None:
+            totals = read_totals(self._state.metrics)
+        else:  # --workers: every process's, as /metrics sums them
+            totals = read_file_totals(gauges.directory)
         self.window.record(totals)
         return totals
 
@@ -111,13 +119,15 @@ class Dashboard:
         state, now = self._state, self._clock()
         totals = self.sample()  # the figures as of this very answer
         endpoints = sorted(state.registry.all(), key=lambda e: (e.role.value, e.url))
+        whole = whole_proxy(state)
+        rows = [
+            instance_row(e, state.outliers, now, load_fresh=state.loads.fresh(e) is not None)
+            for e in endpoints
+        ]
         return {
             "schema": SCHEMA,
-            "proxy": self._proxy(now),
-            "instances": [
-                instance_row(e, state.outliers, now, load_fresh=state.loads.fresh(e) is not None)
-                for e in endpoints
-            ],
+            "proxy": self._proxy(now, whole),
+            "instances": whole.count_legs(rows),
             "models": model_pools(state),
             "window": figures_dict(self.window.figures(WINDOW)),
             "series": series_dict(self.window.series(SERIES_STEP), step=SERIES_STEP, span=HISTORY),
@@ -126,7 +136,7 @@ class Dashboard:
             "kv_events": None if state.kv_events is None else state.kv_events.status(),
         }
 
-    def _proxy(self, now: float) -> dict[str, Any]:
+    def _proxy(self, now: float, whole: WholeProxy) -> dict[str, Any]:
         state = self._state
         ready, reason = state.lifecycle.ready()
         return {
@@ -135,8 +145,10 @@ class Dashboard:
             "ready": ready,
             "reason": reason,
             "draining": state.lifecycle.draining,
-            "in_flight": state.in_flight,
+            "in_flight": whole.in_flight,
+            "queue_depth": whole.queue_depth,
             "uptime_seconds": round(now - self._started_at, 3),
+            **whole.workers_dict(),
         }
 
     async def _data(self, request: Request) -> Response:
@@ -171,6 +183,17 @@ def read_totals(metrics: ProxyMetrics) -> Totals:
     return totals_from_samples(
         _samples(metrics.requests), _samples(metrics.ttft_seconds), generation
     )
+
+
+def read_file_totals(directory: str) -> Totals:
+    """The cumulative figures of every ``--workers`` process, from the multiprocess files."""
+    samples = read_totals_samples(directory, (_REQUESTS, _TTFT))
+    generation = tuple(kind.value for kind in ApiKind)
+    return totals_from_samples(samples[_REQUESTS], samples[_TTFT], generation)
+
+
+_REQUESTS = "pdproxy_requests"  # the counter's family, as the files name it (no _total)
+_TTFT = "pdproxy_request_ttft_seconds"
 
 
 def _samples(metric: MetricWrapperBase) -> Iterable[Sample]:
