@@ -10,7 +10,9 @@ cumulative request and TTFT figures from pdproxy's own Prometheus objects every 
 into a ``FleetWindow``, so the page (or ``curl``) gets the last minutes at once, with the
 same numbers in every tab. Under ``--workers`` every figure is the whole proxy's: the totals
 and the in-flight figures are read from the multiprocess files every worker writes
-(``pdproxy.observability.workers_view``), so the page is the same from every worker.
+(``pdproxy.observability.workers_view``), so the page is the same from every worker. Reading
+every process's counter and histogram files takes milliseconds of the worker's loop, so a
+worker records them only while its page is watched (``WATCHED``), not every second for nobody.
 ``docs/dashboard.md`` documents the JSON.
 """
 
@@ -51,6 +53,7 @@ SAMPLE_INTERVAL = 1.0  # seconds between two records of the cumulative figures
 HISTORY = 300.0  # seconds of records kept: the sparklines' span
 WINDOW = 60.0  # seconds the headline figures cover
 SERIES_STEP = 2.0  # seconds per sparkline point
+WATCHED = 10.0  # --workers: seconds after a /dashboard/data answer the sampler keeps reading
 
 # path under /dashboard -> (file in pdproxy/dashboard/, content type)
 ASSETS = {
@@ -78,6 +81,7 @@ class Dashboard:
         self._state = state
         self._clock = clock
         self._started_at = clock()
+        self._watched_until = float("-inf")  # --workers: when to stop reading the files
         self.window = FleetWindow(clock, history=HISTORY, interval=SAMPLE_INTERVAL)
         self._task: asyncio.Task[None] | None = None
         files = resources.files("pdproxy") / "dashboard"
@@ -97,7 +101,8 @@ class Dashboard:
         app.add_api_route("/dashboard/data", self._data, methods=["GET"], include_in_schema=False)
 
     def start(self) -> None:
-        self.sample()
+        if self._state.worker_gauges is None:
+            self.sample()
         self._task = asyncio.create_task(self._run())
 
     async def aclose(self) -> None:
@@ -117,6 +122,7 @@ class Dashboard:
     def data(self) -> dict[str, Any]:
         """The JSON of ``GET /dashboard/data`` (schema in docs/dashboard.md)."""
         state, now = self._state, self._clock()
+        self._watched_until = now + WATCHED
         totals = self.sample()  # the figures as of this very answer
         endpoints = sorted(state.registry.all(), key=lambda e: (e.role.value, e.url))
         whole = whole_proxy(state)
@@ -164,6 +170,8 @@ class Dashboard:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(SAMPLE_INTERVAL)
+            if self._state.worker_gauges is not None and self._clock() > self._watched_until:
+                continue  # --workers, nobody watching: the files' read is not free
             try:
                 self.sample()
             except Exception:  # the sampler must outlive any one bad read
