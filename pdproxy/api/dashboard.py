@@ -110,6 +110,15 @@ class Dashboard:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
+    def watched(self, now: float) -> None:
+        """The page asked at ``now``: under ``--workers`` the sampler reads for ``WATCHED``."""
+        self._watched_until = now + WATCHED
+
+    def due(self) -> bool:
+        """Whether the 1 s sampler records now: always in a single process (its own metric
+        objects, microseconds); under ``--workers`` only while the page is watched."""
+        return self._state.worker_gauges is None or self._clock() <= self._watched_until
+
     def sample(self) -> Totals:
         gauges = self._state.worker_gauges
         if gauges is None:
@@ -122,7 +131,7 @@ class Dashboard:
     def data(self) -> dict[str, Any]:
         """The JSON of ``GET /dashboard/data`` (schema in docs/dashboard.md)."""
         state, now = self._state, self._clock()
-        self._watched_until = now + WATCHED
+        self.watched(now)
         totals = self.sample()  # the figures as of this very answer
         endpoints = sorted(state.registry.all(), key=lambda e: (e.role.value, e.url))
         whole = whole_proxy(state)
@@ -170,7 +179,7 @@ class Dashboard:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(SAMPLE_INTERVAL)
-            if self._state.worker_gauges is not None and self._clock() > self._watched_until:
+            if not self.due():
                 continue  # --workers, nobody watching: the files' read is not free
             try:
                 self.sample()

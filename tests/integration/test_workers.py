@@ -46,7 +46,7 @@ async def test_both_workers_answer_on_one_port(tmp_path):
             assert code == 200 and orjson.loads(body)["choices"][0]["text"]
             body = await status(session, tree.url)  # still the same worker: keep-alive
             assert body["worker"] == {"pid": pid, "index": body["worker"]["index"], "workers": 2}
-            for page in ("/dashboard", "/dashboard/data"):  # per worker, documented
+            for page in ("/dashboard", "/dashboard/data"):  # served by every worker
                 async with session.get(tree.url + page) as r:
                     assert r.status == 200, page
 

@@ -1,12 +1,16 @@
 """The whole proxy's figures under ``--workers`` from each worker's own samples
 (``pdproxy.observability.workers_view``): a worker is named by the index it writes, the
-owner (no index) is no worker, and the sums are over every worker. The files themselves are
-read in ``tests/integration/test_workers.py``."""
+owner (no index) is no worker, and the sums are over every worker; the dashboard reads the
+files only while watched. The files themselves are read in
+``tests/integration/test_workers.py``."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prometheus_client.metrics_core import Metric
 
+from pdproxy.api.dashboard import WATCHED, Dashboard
 from pdproxy.observability.workers_view import (
     INDEX,
     ProxyFigures,
@@ -60,3 +64,19 @@ def test_the_whole_proxy_sums_every_worker():
     assert (whole.in_flight, whole.queue_depth) == (6, 1)
     assert (whole.legs(D), whole.legs(P), whole.legs("http://gone:1")) == (5, 1, 0)
     assert ProxyFigures(()).in_flight == 0
+
+
+def test_the_dashboard_reads_every_workers_files_only_while_watched():
+    """Under --workers the 1 s sampler reads every process's files (milliseconds of the
+    loop) only for ``WATCHED`` seconds after the page asked; a single process always samples
+    its own metric objects."""
+    now = [100.0]
+    workers = Dashboard(SimpleNamespace(worker_gauges=object()), lambda: now[0])
+    assert not workers.due()  # nobody has asked yet
+    workers.watched(now[0])
+    now[0] += WATCHED
+    assert workers.due()
+    now[0] += 0.5
+    assert not workers.due()
+    single = Dashboard(SimpleNamespace(worker_gauges=None), lambda: now[0])
+    assert single.due()
