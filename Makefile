@@ -98,7 +98,7 @@ FIRST_TOKEN_ARGS ?=
 bench-first-token: install engines-smollm2
 	$(PY) -m bench.first_token $(FIRST_TOKEN_ARGS)
 
-## bench-workers: proxy-bound load through --workers 1 and --workers 2, same run (WORKERS_ARGS=--rounds 1)
+## bench-workers: --workers 1 against 2, same run: req/s, CPU per request and stream, memory, added TTFT (WORKERS_ARGS=--rounds 1)
 WORKERS_ARGS ?=
 .PHONY: bench-workers
 bench-workers: install

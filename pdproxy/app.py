@@ -93,7 +93,12 @@ def _follow_owner(state: AppState, worker: WorkerSpec) -> None:
         worker.run_dir.metrics, state.registry, state.metrics.registry
     )
     state.worker_gauges = WorkerGauges(
-        state.metrics, state.registry, state.membership.refresh_gauges, state.registry_backend
+        state.metrics,
+        state.registry,
+        state.membership.refresh_gauges,
+        state.registry_backend,
+        directory=worker.run_dir.metrics,
+        index=worker.index,
     )
 
 

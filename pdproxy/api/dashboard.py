@@ -8,7 +8,12 @@ client key exactly when ``/metrics`` does (``--protect-metrics``).
 The windowed figures are computed here, not in the browser: a sampler records the
 cumulative request and TTFT figures from pdproxy's own Prometheus objects every second
 into a ``FleetWindow``, so the page (or ``curl``) gets the last minutes at once, with the
-same numbers in every tab. ``docs/dashboard.md`` documents the JSON.
+same numbers in every tab. Under ``--workers`` every figure is the whole proxy's: the totals
+and the in-flight figures are read from the multiprocess files every worker writes
+(``pdproxy.observability.workers_view``), so the page is the same from every worker. Reading
+every process's counter and histogram files takes milliseconds of the worker's loop, so a
+worker records them only while its page is watched (``WATCHED``), not every second for nobody.
+``docs/dashboard.md`` documents the JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from prometheus_client.samples import Sample
 
 import pdproxy
 from pdproxy.api.errors import json_response
-from pdproxy.api.info import describe, model_pools
+from pdproxy.api.info import WholeProxy, describe, model_pools, whole_proxy
 from pdproxy.api.state import AppState
 from pdproxy.errors import Unauthorized
 from pdproxy.observability.fleet_view import (
@@ -37,6 +42,7 @@ from pdproxy.observability.fleet_view import (
     totals_from_samples,
 )
 from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.observability.workers_view import read_totals_samples
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.types import ApiKind, Endpoint, EngineLoad
 
@@ -47,6 +53,7 @@ SAMPLE_INTERVAL = 1.0  # seconds between two records of the cumulative figures
 HISTORY = 300.0  # seconds of records kept: the sparklines' span
 WINDOW = 60.0  # seconds the headline figures cover
 SERIES_STEP = 2.0  # seconds per sparkline point
+WATCHED = 10.0  # --workers: seconds after a /dashboard/data answer the sampler keeps reading
 
 # path under /dashboard -> (file in pdproxy/dashboard/, content type)
 ASSETS = {
@@ -74,6 +81,7 @@ class Dashboard:
         self._state = state
         self._clock = clock
         self._started_at = clock()
+        self._watched_until = float("-inf")  # --workers: when to stop reading the files
         self.window = FleetWindow(clock, history=HISTORY, interval=SAMPLE_INTERVAL)
         self._task: asyncio.Task[None] | None = None
         files = resources.files("pdproxy") / "dashboard"
@@ -93,7 +101,8 @@ class Dashboard:
         app.add_api_route("/dashboard/data", self._data, methods=["GET"], include_in_schema=False)
 
     def start(self) -> None:
-        self.sample()
+        if self._state.worker_gauges is None:
+            self.sample()
         self._task = asyncio.create_task(self._run())
 
     async def aclose(self) -> None:
@@ -101,23 +110,39 @@ class Dashboard:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
+    def watched(self, now: float) -> None:
+        """The page asked at ``now``: under ``--workers`` the sampler reads for ``WATCHED``."""
+        self._watched_until = now + WATCHED
+
+    def due(self) -> bool:
+        """Whether the 1 s sampler records now: always in a single process (its own metric
+        objects, microseconds); under ``--workers`` only while the page is watched."""
+        return self._state.worker_gauges is None or self._clock() <= self._watched_until
+
     def sample(self) -> Totals:
-        totals = read_totals(self._state.metrics)
+        gauges = self._state.worker_gauges
+        if gauges is None:
+            totals = read_totals(self._state.metrics)
+        else:  # --workers: every process's, as /metrics sums them
+            totals = read_file_totals(gauges.directory)
         self.window.record(totals)
         return totals
 
     def data(self) -> dict[str, Any]:
         """The JSON of ``GET /dashboard/data`` (schema in docs/dashboard.md)."""
         state, now = self._state, self._clock()
+        self.watched(now)
         totals = self.sample()  # the figures as of this very answer
         endpoints = sorted(state.registry.all(), key=lambda e: (e.role.value, e.url))
+        whole = whole_proxy(state)
+        rows = [
+            instance_row(e, state.outliers, now, load_fresh=state.loads.fresh(e) is not None)
+            for e in endpoints
+        ]
         return {
             "schema": SCHEMA,
-            "proxy": self._proxy(now),
-            "instances": [
-                instance_row(e, state.outliers, now, load_fresh=state.loads.fresh(e) is not None)
-                for e in endpoints
-            ],
+            "proxy": self._proxy(now, whole),
+            "instances": whole.count_legs(rows),
             "models": model_pools(state),
             "window": figures_dict(self.window.figures(WINDOW)),
             "series": series_dict(self.window.series(SERIES_STEP), step=SERIES_STEP, span=HISTORY),
@@ -126,7 +151,7 @@ class Dashboard:
             "kv_events": None if state.kv_events is None else state.kv_events.status(),
         }
 
-    def _proxy(self, now: float) -> dict[str, Any]:
+    def _proxy(self, now: float, whole: WholeProxy) -> dict[str, Any]:
         state = self._state
         ready, reason = state.lifecycle.ready()
         return {
@@ -135,8 +160,10 @@ class Dashboard:
             "ready": ready,
             "reason": reason,
             "draining": state.lifecycle.draining,
-            "in_flight": state.in_flight,
+            "in_flight": whole.in_flight,
+            "queue_depth": whole.queue_depth,
             "uptime_seconds": round(now - self._started_at, 3),
+            **whole.workers_dict(),
         }
 
     async def _data(self, request: Request) -> Response:
@@ -152,6 +179,8 @@ class Dashboard:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(SAMPLE_INTERVAL)
+            if not self.due():
+                continue  # --workers, nobody watching: the files' read is not free
             try:
                 self.sample()
             except Exception:  # the sampler must outlive any one bad read
@@ -171,6 +200,17 @@ def read_totals(metrics: ProxyMetrics) -> Totals:
     return totals_from_samples(
         _samples(metrics.requests), _samples(metrics.ttft_seconds), generation
     )
+
+
+def read_file_totals(directory: str) -> Totals:
+    """The cumulative figures of every ``--workers`` process, from the multiprocess files."""
+    samples = read_totals_samples(directory, (_REQUESTS, _TTFT))
+    generation = tuple(kind.value for kind in ApiKind)
+    return totals_from_samples(samples[_REQUESTS], samples[_TTFT], generation)
+
+
+_REQUESTS = "pdproxy_requests"  # the counter's family, as the files name it (no _total)
+_TTFT = "pdproxy_request_ttft_seconds"
 
 
 def _samples(metric: MetricWrapperBase) -> Iterable[Sample]:

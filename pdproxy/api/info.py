@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdproxy.api.errors import json_response
 from pdproxy.api.state import AppState
 from pdproxy.errors import Unauthorized, UpstreamError
+from pdproxy.observability.workers_view import ProxyFigures
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.types import BreakerState, Endpoint, EngineLoad, Role
 
@@ -49,17 +50,22 @@ def authorize(state: AppState, request: Request) -> None:
 
 @router.get("/status")
 async def status(request: Request) -> Response:
-    """Same keys as vLLM's disagg_proxy_demo.py, plus per-instance health detail."""
+    """Same keys as vLLM's disagg_proxy_demo.py, plus per-instance health detail; the
+    in-flight figures are the whole proxy's (under ``--workers``, summed over every worker)."""
     state = _state(request)
     endpoints, now = state.registry.all(), state.clock()
     prefill = [e.address.host_port for e in endpoints if e.role is Role.PREFILL]
     decode = [e.address.host_port for e in endpoints if e.role is Role.DECODE]
+    whole = whole_proxy(state)
+    instances = [describe(e, state.outliers, now=now) for e in endpoints]
     body: dict[str, Any] = {
         "prefill_node_count": len(prefill),
         "decode_node_count": len(decode),
         "prefill_nodes": prefill,
         "decode_nodes": decode,
-        "instances": [describe(e, state.outliers, now=now) for e in endpoints],
+        "instances": whole.count_legs(instances),
+        "in_flight": whole.in_flight,
+        "queue_depth": whole.queue_depth,
         "models": model_pools(state),
         "lora": dataclasses.asdict(state.lora.counts),
         "registry_backend": (
@@ -70,10 +76,46 @@ async def status(request: Request) -> Response:
     }
     if state.kv_events is not None:  # --kv-events-endpoint: the index and its subscribers
         body["kv_events"] = state.kv_events.status()
-    if state.owner_link is not None:  # --workers: which one answered (in_flight is its own)
-        spec = state.owner_link.spec
-        body["worker"] = {"pid": os.getpid(), "index": spec.index, "workers": spec.count}
+    body.update(whole.workers_dict())
     return json_response(body)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WholeProxy:
+    """The proxy's in-flight figures: a single process's own, or under ``--workers`` every
+    worker's from the multiprocess files (``pdproxy.observability.workers_view``)."""
+
+    in_flight: int
+    queue_depth: int
+    figures: ProxyFigures | None = None  # --workers: each worker's
+    answering: dict[str, int] | None = None  # --workers: the worker that answers
+
+    def count_legs(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``describe``'s rows with every worker's legs (a single process's are its own)."""
+        if self.figures is not None:
+            for row in rows:
+                row["in_flight"] = self.figures.legs(row["url"])
+        return rows
+
+    def workers_dict(self) -> dict[str, Any]:
+        """``worker`` (the answering one) and ``workers`` (each one's figures), under
+        ``--workers``; nothing in a single process."""
+        if self.figures is None or self.answering is None:
+            return {}
+        return {
+            "worker": self.answering,
+            "workers": [w.as_dict() for w in self.figures.workers],
+        }
+
+
+def whole_proxy(state: AppState) -> WholeProxy:
+    if state.worker_gauges is None or state.owner_link is None:
+        queued = state.admission.queued if state.admission is not None else 0
+        return WholeProxy(state.in_flight, queued)
+    figures = state.worker_gauges.whole()
+    spec = state.owner_link.spec
+    answering = {"pid": os.getpid(), "index": spec.index, "workers": spec.count}
+    return WholeProxy(figures.in_flight, figures.queue_depth, figures, answering)
 
 
 def model_pools(state: AppState) -> dict[str, dict[str, list[str]]]:

@@ -190,8 +190,16 @@
     setText(
       "#meta",
       p.kv_connector + " · v" + p.version + " · up " + uptime(p.uptime_seconds) + " · " +
-        p.in_flight + " request" + (p.in_flight === 1 ? "" : "s") + " in flight",
+        p.in_flight + " request" + (p.in_flight === 1 ? "" : "s") + " in flight" +
+        (p.queue_depth ? ", " + p.queue_depth + " queued" : "") + workersText(p),
     );
+  }
+
+  // --workers: every figure is the whole proxy's; this says how it splits over the workers.
+  function workersText(p) {
+    if (!p.workers) return "";
+    const each = p.workers.map((w) => "#" + (w.index + 1) + " " + w.in_flight);
+    return " · " + p.workers.length + " workers (" + each.join(", ") + ")";
   }
 
   function setLive(ok, text) {

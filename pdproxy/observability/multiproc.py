@@ -22,6 +22,10 @@ worker's copy does (a snapshot period and a sample old at most), and
 included. Series cannot be removed from the files either, so the exposition drops the
 per-instance series (those with a ``url`` label) of instances that are no longer in the
 fleet, as a single process removes them.
+
+The same files give ``/status`` and the dashboard the whole proxy's live figures, worker by
+worker (``pdproxy.observability.workers_view``): each worker also writes its index there, a
+files-only gauge the exposition leaves out.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from prometheus_client.registry import Collector
 
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.observability.workers_view import INDEX, ProxyFigures, read_workers
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +66,10 @@ class _FleetOnly(Collector):
         if self._families is None:
             self._families = {m.name: (m.documentation, m.type) for m in self._described.collect()}
         present = self._present()
-        seen = set()
+        seen = {INDEX}  # files-only: which worker wrote a file, for /status
         for family in self._files.collect():  # type: ignore[no-untyped-call]
+            if family.name in seen:
+                continue
             seen.add(family.name)
             family.documentation = self._families.get(family.name, (family.documentation,))[0]
             family.samples = [
@@ -87,7 +94,8 @@ def exposition_registry(
 
 
 class WorkerGauges:
-    """Writes this worker's scrape-time gauges to its multiprocess files."""
+    """Writes this worker's scrape-time gauges to its multiprocess files, and reads every
+    worker's back (``whole``)."""
 
     def __init__(
         self,
@@ -95,8 +103,12 @@ class WorkerGauges:
         registry: EndpointRegistry,
         refresh: Callable[[], None],
         backend: Callable[[], dict[str, Any]],
+        *,
+        directory: str,
+        index: int,
     ) -> None:
         self._metrics = metrics
+        self.directory = directory  # the multiprocess files' (PROMETHEUS_MULTIPROC_DIR)
         self._backend = backend  # the shared registry's status, as the owner published it
         self._registry = registry
         self._refresh = refresh  # Membership.refresh_gauges: counts, health, ejection
@@ -107,6 +119,13 @@ class WorkerGauges:
             registry=None,  # the files only; the single-process collector keeps the name
             multiprocess_mode="livesum",
         )
+        index_gauge = Gauge(
+            INDEX,
+            "Which worker wrote these figures.",
+            registry=None,  # the files only, left out of the exposition
+            multiprocess_mode="livesum",  # one file with the in-flight figures: one read
+        )
+        index_gauge.set(index)
         self._labels: set[tuple[str, str]] = set()
         self._task: asyncio.Task[None] | None = None
 
@@ -117,6 +136,12 @@ class WorkerGauges:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+    def whole(self) -> ProxyFigures:
+        """Every worker's live figures, this one's as of now, the others' at most a sample
+        (``_SAMPLE``) old."""
+        self.write()
+        return read_workers(self.directory)
 
     def write(self) -> None:
         self._refresh()

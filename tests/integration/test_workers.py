@@ -1,7 +1,8 @@
 """``pdproxy --workers 2`` as real processes (the supervisor owning the membership, two
-SO_REUSEPORT workers) in front of sims: both workers serve, an admin write on one is routed by
-the other within 100 ms, ZMQ-registered engines are routable on both, /metrics sums both, a
-SIGKILLed worker loses only its own requests and is replaced, SIGTERM drains and exits 0."""
+SO_REUSEPORT workers) in front of sims: both workers serve, /status shows the whole proxy, an
+admin write on one is routed by the other within 100 ms, ZMQ-registered engines are routable
+on both, /metrics sums both, a SIGKILLed worker loses only its own requests and is replaced,
+SIGTERM drains and exits 0."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ async def test_both_workers_answer_on_one_port(tmp_path):
             assert code == 200 and orjson.loads(body)["choices"][0]["text"]
             body = await status(session, tree.url)  # still the same worker: keep-alive
             assert body["worker"] == {"pid": pid, "index": body["worker"]["index"], "workers": 2}
-            for page in ("/dashboard", "/dashboard/data"):  # per worker, documented
+            for page in ("/dashboard", "/dashboard/data"):  # served by every worker
                 async with session.get(tree.url + page) as r:
                     assert r.status == 200, page
 
@@ -196,8 +197,67 @@ async def _stream(session: aiohttp.ClientSession, url: str) -> str:
 
 
 async def _legs_in_flight(session: aiohttp.ClientSession, url: str) -> int:
+    """The answering worker's own legs on the decodes (its figures are written as it answers)."""
     body = await status(session, url)
-    return sum(i["in_flight"] for i in body["instances"] if i["role"] == "decode")
+    decodes = {i["url"] for i in body["instances"] if i["role"] == "decode"}
+    (own,) = (w for w in body["workers"] if w["pid"] == body["worker"]["pid"])
+    return sum(n for url, n in own["legs"].items() if url in decodes)
+
+
+async def test_status_and_the_dashboard_show_the_whole_proxy(tmp_path):
+    """In flight, legs per instance and the queue are summed over both workers (each worker's
+    figures at most 0.25 s old), with each worker's share; back to 0 when the streams end."""
+    async with workers_tree(tmp_path, decode_tps=10) as tree:
+        decode = tree.decodes[0].url
+        async with _streams_in_flight(tree, 20) as streams:
+            body = await _status_until(tree, lambda b: b["in_flight"] == 20)
+            for _ in range(5):  # any worker, any moment: the same whole-proxy figures
+                async with aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(force_close=True)
+                ) as fresh:
+                    body = await status(fresh, tree.url)
+                _assert_whole(body, tree, decode, 20)
+                await asyncio.sleep(0.1)
+            assert all(w["in_flight"] > 0 for w in body["workers"]), body["workers"]
+            data = await _dashboard(tree.url)
+            assert data["proxy"]["in_flight"] == 20 and len(data["proxy"]["workers"]) == 2
+            assert {i["url"]: i["in_flight"] for i in data["instances"]}[decode] == 20
+            assert await asyncio.gather(*streams) == ["whole"] * 20
+        body = await _status_until(tree, lambda b: b["in_flight"] == 0)
+        _assert_whole(body, tree, decode, 0)
+        data = await _dashboard(tree.url)
+        assert data["totals"]["requests"]["ok"] == 20  # both workers' requests
+
+
+async def _dashboard(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as page, page.get(url + "/dashboard/data") as r:
+        assert r.status == 200
+        data: dict[str, Any] = orjson.loads(await r.read())
+        return data
+
+
+def _assert_whole(body: dict[str, Any], tree: Any, decode: str, streams: int) -> None:
+    workers = body["workers"]
+    assert [w["index"] for w in workers] == [0, 1]
+    assert {w["pid"] for w in workers} == tree.worker_pids()
+    assert body["worker"]["pid"] in tree.worker_pids() and body["worker"]["workers"] == 2
+    assert body["in_flight"] == sum(w["in_flight"] for w in workers) == streams
+    assert body["queue_depth"] == 0
+    by_url = {i["url"]: i["in_flight"] for i in body["instances"]}
+    assert by_url == {tree.prefills[0].url: 0, decode: streams}
+    assert sum(w["legs"].get(decode, 0) for w in workers) == streams
+
+
+async def _status_until(tree: Any, done: Any) -> dict[str, Any]:
+    """``/status`` once ``done(body)``: a worker writes its figures every 0.25 s. Bounded."""
+    deadline = time.monotonic() + 3
+    async with aiohttp.ClientSession() as session:
+        while True:
+            body = await status(session, tree.url)
+            if done(body):
+                return body
+            assert time.monotonic() < deadline, body
+            await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
