@@ -89,6 +89,9 @@ class SchedulingConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    # (model, path): the local tokenizer kv-events computes a text request's token ids with
+    # (--tokenizer [MODEL=]PATH); model "" is the one for every model without its own
+    tokenizers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_policy", canonical_policy(self.prefill_policy))
@@ -113,6 +116,9 @@ class SchedulingConfig:
         events_endpoint(self.kv_events_replay_endpoint, "--kv-events-replay-endpoint")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        models = [model for model, _ in self.tokenizers]
+        if len(set(models)) < len(models):
+            raise ConfigError("--tokenizer: one tokenizer per model (and one without MODEL=)")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ConfigError(
                 "--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1"
@@ -129,4 +135,20 @@ def parse_model_policies(specs: tuple[str, ...]) -> tuple[tuple[str, str, str], 
         if not sep or not model.strip() or not prefill.strip():
             raise ConfigError(f"--model-policy: {spec!r} is not MODEL=PREFILL[:DECODE]")
         parsed.append((model.strip(), prefill, decode or prefill))
+    return tuple(parsed)
+
+
+def parse_tokenizers(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``PATH`` (every model's) or ``MODEL=PATH`` each; a spec whose text before the first
+    ``=`` holds a ``/`` is a path; raises ``ConfigError``."""
+    parsed = []
+    for spec in specs:
+        model, sep, path = spec.partition("=")
+        if not sep or "/" in model:  # a path (which may hold a "=" past a "/")
+            model, path = "", spec
+        elif not model.strip():
+            raise ConfigError(f"--tokenizer: {spec!r} names no model before its '='")
+        if not path.strip():
+            raise ConfigError(f"--tokenizer: {spec!r} is not PATH or MODEL=PATH")
+        parsed.append((model.strip(), path.strip()))
     return tuple(parsed)
