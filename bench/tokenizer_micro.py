@@ -64,17 +64,16 @@ def main() -> None:
     }
     ids = tokenizer.prompt_ids(completion) or []
     chat_ids = tokenizer.prompt_ids(chat) or []
-    print(f"tokenizer: {folder}; prompt: {len(text)} chars, {len(ids)} tokens")
-    print(
-        f"completion, on the loop:        {per_call_us(lambda: tokenizer.prompt_ids(completion)):8.1f} us"
-    )
-    print(
-        f"chat ({len(chat_ids)} tokens), on the loop:   {per_call_us(lambda: tokenizer.prompt_ids(chat)):8.1f} us"
-    )
     short = {"model": "m", "prompt": SENTENCE * 4}
-    print(
-        f"completion of {len(SENTENCE * 4)} chars, on the loop: {per_call_us(lambda: tokenizer.prompt_ids(short)):6.1f} us"
+    print(f"tokenizer: {folder}; prompt: {len(text)} chars, {len(ids)} tokens")
+    rows = (
+        ("completion", completion, len(ids)),
+        ("chat", chat, len(chat_ids)),
+        ("short completion", short, len(tokenizer.prompt_ids(short) or [])),
     )
+    for name, body, n in rows:
+        cost = per_call_us(lambda body=body: tokenizer.prompt_ids(body))
+        print(f"{name} ({n} tokens), on the loop: {cost:8.1f} us")
     filler = PromptTokens({"": tokenizer}, lambda _: True)
     try:
         for name, body in (("completion", completion), ("chat", chat)):
