@@ -211,3 +211,31 @@ def test_the_flag_reaches_the_config():
     )
     assert config.scheduling.tokenizers == (("", "/m/a"), ("chat", "/m/b"))
     assert json.dumps(config.scheduling.tokenizers)
+
+
+def test_the_tokenizer_is_loaded_only_for_kv_events(tmp_path, caplog):
+    import random
+
+    from prometheus_client import CollectorRegistry
+
+    from pdproxy.build import build_state
+    from pdproxy.config.proxy import ProxyConfig
+    from pdproxy.types import EngineAddress
+
+    def state(policy: str, path: str):
+        scheduling = SchedulingConfig(prefill_policy=policy, tokenizers=(("", path),))
+        config = ProxyConfig(
+            prefill=(EngineAddress(url="http://127.0.0.1:9"),),
+            decode=(EngineAddress(url="http://127.0.0.1:10"),),
+            scheduling=scheduling,
+        )
+        return build_state(config, lambda: 0.0, CollectorRegistry(), random.Random(0))
+
+    missing = str(tmp_path / "missing")
+    ignored = state("prefix-affinity", missing)  # never read: no policy reads token ids
+    assert ignored.orchestrator._prompt_tokens is None and "is ignored" in caplog.text
+    with pytest.raises(ConfigError, match="cannot load"):
+        state("kv-events", missing)
+    folder = write_model_dir(tmp_path / "m", WORDS)
+    used = state("kv-events", str(folder)).orchestrator._prompt_tokens
+    assert used is not None and used.tokenizer_for("any") is not None
