@@ -3,6 +3,7 @@ gathered into one ``AppState``."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from pdproxy.proxying.lora import LoraClient
 from pdproxy.proxying.lora_demand import LoraOnDemand
 from pdproxy.proxying.orchestrator import Orchestrator
 from pdproxy.proxying.passthrough import Passthrough
+from pdproxy.proxying.prompt_tokens import PromptTokens
 from pdproxy.proxying.render_once import RenderOnce
 from pdproxy.proxying.verdicts import Verdicts
 from pdproxy.resilience.outlier import OutlierDetector
@@ -37,6 +39,9 @@ from pdproxy.resilience.retry import RetryBudget
 from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.types import Endpoint, Role, Source
 from pdproxy.upstream.engine_client import EngineClient
+from pdproxy.wire.local_tokenizer import LocalTokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +135,21 @@ def _orchestrator(
         rng=rng,
         lora=_lora_on_demand(config, core, scheduler, clock),
         first_token=config.first_token_from_prefill,
+        prompt_tokens=_prompt_tokens(config, scheduler),
     )
+
+
+def _prompt_tokens(config: ProxyConfig, scheduler: Scheduler) -> PromptTokens | None:
+    """--tokenizer: loaded only when a kv-events policy reads token ids; raises
+    ``ConfigError`` for files it cannot load."""
+    specs = config.scheduling.tokenizers
+    if not specs:
+        return None
+    if not scheduler.kv_events:
+        logger.warning("--tokenizer is ignored: only the kv-events policy reads token ids")
+        return None
+    tokenizers = {model: LocalTokenizer.load(path) for model, path in specs}
+    return PromptTokens(tokenizers, scheduler.wants_token_ids)
 
 
 def _lora_on_demand(

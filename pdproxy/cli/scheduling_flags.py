@@ -122,6 +122,19 @@ SCHEDULING_FLAGS = (
         field=_S + "kv_events_replay_endpoint",
     ),
     Flag(
+        names=("--tokenizer",),
+        group=SCHEDULING,
+        help="kv-events: the model's tokenizer (a directory with tokenizer.json and"
+        " tokenizer_config.json, or tokenizer.json), to score text requests exactly without"
+        " --render-once; MODEL=PATH for one model's own.",
+        field=_S + "tokenizers",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="[MODEL=]PATH",
+        convert=values.tokenizers,
+    ),
+    Flag(
         names=("--kv-events-topic",),
         group=SCHEDULING,
         help="The engines' KV-events topic (vLLM's kv_events_config topic).",

@@ -14,6 +14,7 @@ from pdproxy.config.scheduling import (
     DEFAULT_DECODE_POLICY,
     DEFAULT_PREFILL_POLICY,
     parse_model_policies,
+    parse_tokenizers,
 )
 from pdproxy.errors import ConfigError
 from pdproxy.types import EngineAddress
@@ -127,3 +128,8 @@ def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 def model_policies(args: argparse.Namespace) -> tuple[tuple[str, str, str], ...]:
     """``--model-policy MODEL=PREFILL[:DECODE] ...``."""
     return parse_model_policies(tuple(args.model_policy or ()))
+
+
+def tokenizers(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """``--tokenizer [MODEL=]PATH ...``."""
+    return parse_tokenizers(tuple(args.tokenizer or ()))

@@ -95,6 +95,9 @@ class SchedulingConfig:
     # the share of a prefill's queued tokens a new prompt waits for in kv-events' prefill
     # cost (an engine computes several prompts per step; 1.0: strictly one after another)
     kv_queue_weight: float = 0.5
+    # (model, path): the local tokenizer kv-events computes a text request's token ids with
+    # (--tokenizer [MODEL=]PATH); model "" is the one for every model without its own
+    tokenizers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_policy", canonical_policy(self.prefill_policy))
@@ -123,6 +126,9 @@ class SchedulingConfig:
             raise ConfigError("--kv-events-stale-secs must be >= 0")
         if not 0 <= self.kv_queue_weight <= 1:
             raise ConfigError("--kv-queue-weight must be in [0, 1]")
+        models = [model for model, _ in self.tokenizers]
+        if len(set(models)) < len(models):
+            raise ConfigError("--tokenizer: one tokenizer per model (and one without MODEL=)")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ConfigError(
                 "--balance-abs-threshold must be >= 0 and --balance-rel-threshold >= 1"
@@ -139,4 +145,20 @@ def parse_model_policies(specs: tuple[str, ...]) -> tuple[tuple[str, str, str], 
         if not sep or not model.strip() or not prefill.strip():
             raise ConfigError(f"--model-policy: {spec!r} is not MODEL=PREFILL[:DECODE]")
         parsed.append((model.strip(), prefill, decode or prefill))
+    return tuple(parsed)
+
+
+def parse_tokenizers(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``PATH`` (every model's) or ``MODEL=PATH`` each; a spec whose text before the first
+    ``=`` holds a ``/`` is a path; raises ``ConfigError``."""
+    parsed = []
+    for spec in specs:
+        model, sep, path = spec.partition("=")
+        if not sep or "/" in model:  # a path (which may hold a "=" past a "/")
+            model, path = "", spec
+        elif not model.strip():
+            raise ConfigError(f"--tokenizer: {spec!r} names no model before its '='")
+        if not path.strip():
+            raise ConfigError(f"--tokenizer: {spec!r} is not PATH or MODEL=PATH")
+        parsed.append((model.strip(), path.strip()))
     return tuple(parsed)

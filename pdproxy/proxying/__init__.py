@@ -7,4 +7,5 @@ another decode, ``first_token`` starts a stream with the prefill's token
 (``--first-token-from-prefill``), ``kv_release`` releases KV no decode will read,
 ``verdicts`` judges each leg for passive health, ``admission`` bounds the requests served at
 once, ``lifecycle`` holds readiness and the drain, ``exchange`` says what a request is and
-what goes back."""
+what goes back, ``prompt_tokens`` gives a text request its token ids for ``kv-events``
+(``--tokenizer``)."""

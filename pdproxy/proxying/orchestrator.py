@@ -36,6 +36,7 @@ from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs, LegSize
 from pdproxy.proxying.lora_demand import LoraOnDemand
 from pdproxy.proxying.migration import MigrationRequested, Migrations
+from pdproxy.proxying.prompt_tokens import PromptTokens
 from pdproxy.proxying.retries import Retries, RetryRun
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget, retry_reason
@@ -104,8 +105,10 @@ class Orchestrator:
         rng: random.Random,
         lora: LoraOnDemand | None = None,
         first_token: bool = False,
+        prompt_tokens: PromptTokens | None = None,
     ) -> None:
         self._registry = registry
+        self._prompt_tokens = prompt_tokens  # --tokenizer under kv-events; None: off
         self._lora = lora  # --lora-load-on-demand
         self._scheduler = scheduler
         self._connector = connector
@@ -132,6 +135,8 @@ class Orchestrator:
         self._legs.start()
 
     async def aclose(self) -> None:
+        if self._prompt_tokens is not None:
+            self._prompt_tokens.close()
         await self._legs.aclose()
 
     async def handle(self, request: ClientRequest) -> ProxyResponse:
@@ -148,7 +153,10 @@ class Orchestrator:
     async def _serve(self, request: ClientRequest, avoid: frozenset[str]) -> ProxyResponse:
         """``request`` on a pair whose decode is none of ``avoid``, with its retries."""
         retries = self._retries.begin()
-        run = _Run(self._scheduler.features(request.body, request.session), retries, avoid=avoid)
+        features = self._scheduler.features(request.body, request.session)
+        if self._prompt_tokens is not None:
+            features = await self._prompt_tokens.fill(request.body, features)
+        run = _Run(features, retries, avoid=avoid)
         if avoid:
             run.tried[Role.DECODE] = set(avoid)
         try:

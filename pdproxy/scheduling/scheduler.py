@@ -60,9 +60,12 @@ class Scheduler:
             )
             for model, p, d in config.model_policies
         }
-        self.kv_events = KV_EVENTS in (config.prefill_policy, config.decode_policy) or any(
-            KV_EVENTS in (p, d) for _, p, d in config.model_policies
-        )
+        # whether the fleet's policies, and each --model-policy model's, read token ids
+        self._fleet_kv_events = KV_EVENTS in (config.prefill_policy, config.decode_policy)
+        self._kv_events_models = {
+            model: KV_EVENTS in (p, d) for model, p, d in config.model_policies
+        }
+        self.kv_events = self._fleet_kv_events or any(self._kv_events_models.values())
         self._decider: Decider = (
             PromptSizeDecider(config.pd_threshold_tokens)
             if config.pd_threshold_tokens > 0
@@ -86,6 +89,13 @@ class Scheduler:
             want_blocks=self._want_blocks,
             want_token_ids=self.kv_events,
         )
+
+    def wants_token_ids(self, model: str | None) -> bool:
+        """Whether a request for ``model`` is scored by a ``kv-events`` policy (on either
+        leg), so that computing its token ids is worth it."""
+        if model is not None and model in self._kv_events_models:
+            return self._kv_events_models[model]
+        return self._fleet_kv_events
 
     def schedule(self, features: RequestFeatures, snapshot: Snapshot) -> PairDecision | DecodeOnly:
         """A prefill and a decode, or a decode alone; raises ``NoEndpointAvailable``."""

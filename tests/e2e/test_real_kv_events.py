@@ -12,6 +12,7 @@ which the session's shared pairs do not have.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.scheduling.kv_events import KVIndex, block_keys, instance_name
 from pdproxy.types import EngineAddress
+from pdproxy.wire.local_tokenizer import LocalTokenizer
 from tests.e2e.conftest import SHARED_FLAGS, post, wait_until
 from tests.servers import running_proxy
 
@@ -97,7 +99,7 @@ def kv_pair() -> Iterator[Pair]:
         shutil.rmtree(pair.dir, ignore_errors=True)
 
 
-def _config(pair: Pair) -> ProxyConfig:
+def _config(pair: Pair, tokenizer: str | None = None) -> ProxyConfig:
     engines = pair.engines
     assert engines is not None
     scheduling = SchedulingConfig(
@@ -105,6 +107,7 @@ def _config(pair: Pair) -> ProxyConfig:
         decode_policy="kv-events",
         kv_events_endpoint=f"ipc://{pair.dir}/{{port}}.events",
         kv_events_replay_endpoint=f"ipc://{pair.dir}/{{port}}.replay",
+        tokenizers=() if tokenizer is None else (("", tokenizer),),
     )
     return ProxyConfig(
         prefill=(EngineAddress(url=engines.prefill_url),),
@@ -170,3 +173,28 @@ async def test_prediction_equals_vllms_cached_tokens_and_a_restart_is_relearned(
         predicted = _predicted(fleet.index, engines.prefill_url, second)
         answer = await _generate(proxy.url, engines.model, second)
         assert _cached(answer) == predicted > 2 * BLOCK
+
+
+async def test_a_text_completion_is_predicted_exactly_by_the_local_tokenizer(kv_pair, caplog):
+    """No --render-once: pdproxy tokenizes the text with the model directory's
+    tokenizer.json (--tokenizer), and its prediction is the hit vLLM reports."""
+    caplog.set_level(logging.INFO, logger="pdproxy.access")
+    engines = kv_pair.engines
+    assert engines is not None and engines.model_dir is not None
+    async with running_proxy(_config(kv_pair, str(engines.model_dir))) as proxy:
+        fleet = proxy.state.kv_events
+        names = {instance_name(engines.prefill_url, 0), instance_name(engines.decode_url, 0)}
+        await wait_until(lambda: names <= fleet.index.live, timeout=30)
+        shared = "A local tokenizer gives pdproxy each prompt's token ids without a render. " * 12
+        first, second = shared + "First question: why?", shared + "Second: and how?"
+        ids = await _token_ids(proxy.url, engines.model, second)  # vLLM's own tokenization
+        assert LocalTokenizer.load(str(engines.model_dir)).prompt_ids({"prompt": second}) == ids
+        body = {"model": engines.model, "max_tokens": 2}
+        status, raw = await post(proxy.url, "/v1/completions", {**body, "prompt": first})
+        assert status == 200, raw
+        await wait_until(lambda: _predicted(fleet.index, engines.prefill_url, ids) > 0, 30)
+        status, raw = await post(proxy.url, "/v1/completions", {**body, "prompt": second})
+        assert status == 200, raw
+        access = [r.fields for r in caplog.records if r.name == "pdproxy.access"]
+        predicted = access[-1].get("predicted_prefill_cached")
+        assert _cached(orjson.loads(raw)) == predicted > 2 * BLOCK

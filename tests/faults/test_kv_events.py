@@ -33,6 +33,7 @@ from tests.faults.harness import (
     wait_until,
 )
 from tests.servers import running_proxy
+from tests.sim_tokenizer import write_model_dir
 
 BLOCK = 16
 # A long shared prefix (8 blocks) then a tail of each request's own.
@@ -45,7 +46,10 @@ def prompt(i: int, prefix: list[int] = PREFIX) -> list[int]:
 
 @contextlib.asynccontextmanager
 async def kv_fleet(
-    tmp: Path, encoding: str = "map", stale_secs: float = 30.0
+    tmp: Path,
+    encoding: str = "map",
+    stale_secs: float = 30.0,
+    tokenizer: str | None = None,
 ) -> AsyncIterator[Fleet]:
     events = f"ipc://{tmp}/{{port}}.events"
     replay = f"ipc://{tmp}/{{port}}.replay"
@@ -73,6 +77,7 @@ async def kv_fleet(
             kv_events_endpoint=events,
             kv_events_replay_endpoint=replay,
             kv_events_stale_secs=stale_secs,
+            tokenizers=() if tokenizer is None else (("", tokenizer),),
         )
         config = ProxyConfig(
             prefill=tuple(EngineAddress(url=s.url) for s in prefills),
@@ -96,6 +101,16 @@ async def generate(f: Fleet, ids: list[int]) -> dict[str, Any]:
     async with (
         aiohttp.ClientSession() as session,
         session.post(f.proxy.url + GENERATE, json=body) as r,
+    ):
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def complete(f: Fleet, text: str) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": text, "max_tokens": 4}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f.proxy.url + "/v1/completions", json=body) as r,
     ):
         assert r.status == 200, await r.text()
         return await r.json()
@@ -149,6 +164,35 @@ async def test_the_prefill_holding_the_prefix_is_chosen_and_the_prediction_is_ex
         assert predicted_total == 4 * expected
         assert f.metric("pdproxy_kv_events_cached_tokens_total", kind="actual") == 4 * expected
         assert f.metric("pdproxy_kv_events_prediction_error_tokens_total") == 0
+        await assert_settled(f)
+
+
+async def test_a_text_completion_is_scored_exactly_by_the_local_tokenizer(tmp_path, caplog):
+    """No --render-once: pdproxy tokenizes the text itself (--tokenizer, a tokenizer.json
+    whose ids are the sim's), routes to the prefill holding the prefix and predicts the hit
+    the sim reports; the engines still get the text."""
+    caplog.set_level(logging.INFO, logger="pdproxy.access")
+    shared = " ".join(f"shared{i}" for i in range(8 * BLOCK))
+    texts = [shared + " " + " ".join(f"own{i}x{k}" for k in range(20)) for i in range(5)]
+    folder = write_model_dir(tmp_path / "tokenizer", texts)
+    async with kv_fleet(tmp_path, tokenizer=str(folder)) as f:
+        await complete(f, texts[0])
+        holder = next(s for s, n in zip(f.prefills, served_by(f), strict=True) if n)
+        ids = model.tokenize(texts[1])
+        await wait_until(lambda: predicted(f, holder, ids) > 0, timeout=3, what="events")
+        expected = predicted(f, holder, ids)
+        assert expected == len(PREFIX)
+        other = next(s for s in f.prefills if s is not holder)
+        for text in texts[1:]:
+            assert cached_tokens(await complete(f, text)) == expected  # the sim's own report
+        assert served_by(f)[f.prefills.index(holder)] == 5 and not other.generation_requests()
+        lines = [r.fields for r in caplog.records if r.name == "pdproxy.access"]
+        assert [line.get("predicted_prefill_cached") for line in lines] == [None] + [expected] * 4
+        assert f.metric("pdproxy_kv_events_prediction_error_tokens_total") == 0
+        assert f.metric("pdproxy_kv_events_cached_tokens_total", kind="actual") == 4 * expected
+        # The ids only fed scoring: every engine got the client's text.
+        bodies = [r.body for s in f.engines for r in s.generation_requests()]
+        assert {b["prompt"] for b in bodies} <= set(texts) and len(bodies) == 10
         await assert_settled(f)
 
 

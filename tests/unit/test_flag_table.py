@@ -38,6 +38,7 @@ SAMPLES: dict[str, list[str]] = {
         "tcp://{host}:5558",
     ],
     "--kv-events-topic": ["--kv-events-topic", "kv"],
+    "--tokenizer": ["--tokenizer", "/models/m", "chat=/models/c"],
     "--prefill-policy": ["--prefill-policy", "random"],
     "--decode-policy": ["--decode-policy", "random"],
     "--model-policy": ["--model-policy", "sticky=consistent_hash"],
