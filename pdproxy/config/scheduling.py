@@ -94,7 +94,7 @@ class SchedulingConfig:
     kv_events_stale_secs: float = 30.0
     # the share of a prefill's queued tokens a new prompt waits for in kv-events' prefill
     # cost (an engine computes several prompts per step; 1.0: strictly one after another)
-    kv_queue_weight: float = 0.5
+    kv_queue_weight: float = 0.25
     # (model, path): the local tokenizer kv-events computes a text request's token ids with
     # (--tokenizer [MODEL=]PATH); model "" is the one for every model without its own
     tokenizers: tuple[tuple[str, str], ...] = ()

@@ -8,12 +8,13 @@ the prompt tokens it has to compute before this request's first token:
 
 - queued: its prefill legs in flight, each prompt less its predicted hit
   (``LegCounts.queued_tokens``; an estimate where a request's token count is unknown);
-- queue weight (``--kv-queue-weight``, 0.5): the share of that queue a new prompt waits
+- queue weight (``--kv-queue-weight``, 0.25): the share of that queue a new prompt waits
   for. An engine computes several prompts in one step (vLLM batches up to its
   ``max_num_batched_tokens``), so a queue of one prompt delays the next by far less than
-  its length; at 1.0 (strictly serial) the multi-tenant bench's hit rate fell from 59 %
-  to 50 % and TTFT p90 rose by a third, as cached prefixes were abandoned behind queues
-  the engine would have absorbed (docs/scheduling.md);
+  its length. On the multi-tenant bench (16 requests/s) weight 1.0 (strictly serial) gave
+  a hit rate of 50 % and TTFT p90 792 ms, 0.5 59 % and 601 ms, 0.25 62 % and 589 ms, 0
+  62 % and 588 ms: cached prefixes were abandoned behind queues the engine absorbs.
+  Deep queues are still avoided by the overload filter (docs/scheduling.md);
 - uncached: the prompt's tokens less those the instance is predicted to hold
   (``KVEventsScorer.cached_tokens``: its events, else the approximate index);
 - slowness: the instance's measured seconds per token over its role's typical

@@ -114,10 +114,11 @@ def test_the_prefill_policy_weighs_the_queue_and_the_decode_policy_the_blocks():
     kv = KVIndex(1000)
     prefill = build_policy("kv-events", CONFIG, random.Random(0), kv, Role.PREFILL)
     decode = build_policy("kv-events", CONFIG, random.Random(0), kv, Role.DECODE)
-    # the default queue weight, 0.5: 150 + 16 against 128, then 100 + 16 against 128
-    eps = _fleet(kv, queued=(300.0, 0.0))
+    # the default queue weight's share of the queue + 16 uncached against 128
+    share = CONFIG.kv_queue_weight
+    eps = _fleet(kv, queued=(120.0 / share, 0.0))
     assert prefill.choose(ctx(_features()), eps) is eps[1]
-    eps[0].legs.queued_tokens = 200.0
+    eps[0].legs.queued_tokens = 100.0 / share
     assert prefill.choose(ctx(_features()), eps) is eps[0]
     # A decode's held blocks are not a queue: the holder, unless overloaded.
     ds = _fleet(kv, queued=(500.0, 0.0))
