@@ -143,6 +143,12 @@ class Legs:
             self._metrics.kv_events_cached_tokens.labels("actual").inc(actual)
             self._metrics.kv_events_error_tokens.inc(abs(predicted - actual))
 
+    def prepare_decode(self, request: ClientRequest, decode: Endpoint) -> None:
+        """While prefills run, a connection ready for each decode leg waiting on one there
+        (``legs.reserved``): the decode is sent the moment its prefill answers, not after
+        a connect (the first requests after an idle spell find none pooled)."""
+        self._client.prepare(decode.url + request.kind.path, decode.legs.reserved)
+
     async def decode(
         self, request: ClientRequest, transfer: Transfer, prefill_answer: Mapping[str, Any] | None
     ) -> ProxyResponse:

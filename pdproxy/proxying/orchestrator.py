@@ -190,6 +190,7 @@ class Orchestrator:
                     return await self._legs.concurrent(request, transfer, size)
                 if answer is None:
                     run.reserve(transfer.decision.decode)
+                    self._legs.prepare_decode(request, transfer.decision.decode)
                     started = time.perf_counter()
                     size = self._prefill_size(run, transfer.decision)
                     answer = await self._legs.prefill(request, transfer, size)

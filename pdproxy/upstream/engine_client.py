@@ -338,6 +338,12 @@ class EngineClient:
                 body = await _read_at_most(response, limit)
         return body.decode("utf-8", "replace")
 
+    def prepare(self, url: str, wanted: int) -> None:
+        """Open connections for ``wanted`` legs soon to go to ``url``'s instance, in the
+        background, unless enough are pooled there already (``Pool.prepare``)."""
+        if self._legs is not None:
+            self._legs.prepare(url, wanted)
+
     def connections_in_use(self) -> int:
         """Upstream connections currently held by a leg (pooled idle ones excluded); 0 when
         nothing is in flight, or a leg leaked its response. aiohttp has no public count."""

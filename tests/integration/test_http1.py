@@ -205,6 +205,47 @@ async def test_refused_connection_is_a_connect_failure() -> None:
             assert p.in_use() == 0
 
 
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not within 2 s")
+
+
+async def test_prepared_connections_are_pooled_and_taken_by_the_next_requests() -> None:
+    async with serving(answer(OK)) as server, pool() as p:
+        p.prepare(server.url, 2)
+        p.prepare(server.url, 2)  # already being opened: no more
+        await _until(lambda: server.connections == 2)
+        assert p.in_use() == 0
+        responses = await asyncio.gather(post(p, server.url), post(p, server.url))
+        for response in responses:
+            assert await response.read_all(1.0) == b"{}"
+            response.release()
+        p.prepare(server.url, 2)  # both idle again: nothing to open
+        await asyncio.sleep(0.05)
+        assert server.connections == 2
+        p.prepare(server.url, 3)
+        await _until(lambda: server.connections == 3)
+
+
+async def test_a_prepared_connect_that_fails_is_forgotten() -> None:
+    loop = asyncio.get_running_loop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.setblocking(False)
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1/completions"
+        async with pool() as p:
+            p.prepare(url, 1)  # refused: not listening yet
+            await asyncio.sleep(0.05)
+            assert p.in_use() == 0
+            s.listen()
+            p.prepare(url, 1)  # the failed attempt is not counted as under way
+            accepted, _ = await asyncio.wait_for(loop.sock_accept(s), 2)
+            accepted.close()
+
+
 async def test_idle_connection_past_its_expiry_is_not_reused() -> None:
     async with serving(answer(OK)) as server, pool(keepalive_expiry=0.05) as p:
         for _ in range(2):

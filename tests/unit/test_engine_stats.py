@@ -7,7 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.types import EngineLoad, RankLoad
-from pdproxy.wire.engine_stats import STALE_AFTER_INTERVALS, fresh_load, max_age, parse_engine_load
+from pdproxy.wire.engine_stats import (
+    STALE_AFTER_INTERVALS,
+    fresh_load,
+    max_age,
+    parse_engine_load,
+    relevant_lines,
+)
 
 # What the sim serves today: one rank, vLLM's names, HELP/TYPE lines, counters after.
 SIM_PAGE = """\
@@ -225,6 +231,41 @@ def test_any_text_gives_a_load_or_value_error(body):
     except ValueError:
         return
     assert 0.0 <= load.kv_usage <= 1.0
+
+
+_PIECES = st.sampled_from(
+    [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:num_requests",
+        '{engine="0"} 1.0',
+        "# TYPE ",
+        " gauge",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "\u2028",
+        "\x85",
+        "x",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_PIECES, max_size=30).map("".join))
+def test_relevant_lines_are_those_a_line_by_line_test_keeps(text):
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    names += ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    kept = [line for line in text.splitlines() if any(n in line for n in names)]
+    assert relevant_lines(text) == "\n".join(kept)
+
+
+def test_relevant_lines_of_a_vllm_page():
+    assert relevant_lines(VLLM_PAGE).splitlines() == [
+        line for line in VLLM_PAGE.splitlines() if "_requests_" in line or "cache_usage" in line
+    ]
 
 
 def test_max_age_is_three_intervals_and_zero_when_off():

@@ -47,6 +47,9 @@ class FakeLegs:
         self._prefill = list(prefill_script)
         self._hang = decode_hangs
 
+    def prepare_decode(self, request, decode):
+        pass  # the real legs open a connection to the decode while the prefill runs
+
     async def prefill(self, request, transfer, size=None):
         size = size or LegSize()
         self.calls.append(("prefill", transfer.decision.prefill.url))

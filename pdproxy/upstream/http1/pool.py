@@ -16,7 +16,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 
 from pdproxy.upstream.http1.connection import Connection, Target
-from pdproxy.upstream.http1.errors import ConnectFailed, ConnectTimeout, ReadTimeout
+from pdproxy.upstream.http1.errors import ConnectFailed, ConnectTimeout, HTTPError, ReadTimeout
 from pdproxy.upstream.http1.response import Response
 
 if sys.version_info >= (3, 11):
@@ -63,6 +63,8 @@ class Pool:
         self._waiting: dict[_Key, deque[_Turn]] = {}  # per host, in order of arrival
         self._arrivals = itertools.count()
         self._targets: dict[str, Target] = {}
+        self._opening: dict[_Key, int] = defaultdict(int)  # ``prepare``'s connects under way
+        self._preparing: set[asyncio.Task[None]] = set()
 
     def in_use(self) -> int:
         return len(self._in_use)
@@ -96,6 +98,31 @@ class Pool:
             response.close()
             raise
         return response
+
+    def prepare(self, url: str, wanted: int) -> None:
+        """Start opening connections to ``url``'s host in the background until ``wanted``
+        are idle or being opened there (within the caps), so that requests known to come
+        (a decode leg whose prefill is running) find one made. A connect that fails is
+        forgotten: the request that needs the host connects itself and meets the error."""
+        target = self._target(url)
+        key = target.key
+        idle = self._idle.get(key)
+        missing = wanted - (len(idle) if idle else 0) - self._opening[key]
+        while missing > 0 and self._has_room(key):
+            missing -= 1
+            self._opening[key] += 1
+            task = self.loop.create_task(self._open_idle(target))
+            self._preparing.add(task)
+            task.add_done_callback(self._preparing.discard)
+
+    async def _open_idle(self, target: Target) -> None:
+        try:
+            connection = await self._connect(target, None)
+        except (OSError, HTTPError):
+            return
+        finally:
+            self._opening[target.key] -= 1
+        self.release(connection)  # idle from now, as if it had served an answer
 
     def _target(self, url: str) -> Target:
         target = self._targets.get(url)
@@ -258,6 +285,8 @@ class Pool:
 
     def close(self) -> None:
         """Close every connection, idle or in use."""
+        for task in self._preparing:
+            task.cancel()
         for idle in self._idle.values():
             for connection in idle:
                 connection.close()
