@@ -44,12 +44,18 @@ class Anchor:
 
     binary: Path
     version: str
+    # as users run it: its own default policy (cache_aware) and log level (info), as
+    # pdproxy runs on its defaults in the headline; else round robin, logs at warning
+    defaults: bool = False
 
     def command(self, port: int, prefill: str, decode: str, metrics_port: int) -> list[str]:
         """PD mode over one prefill and one decode, round robin on both, logs at warning
-        (pdproxy's level in the benchmark). Its Prometheus listener defaults to a fixed
-        port (29000), so it gets a free one; the startup check polls every second (the
-        default 30 s would only delay the start: the sims answer before it runs)."""
+        (its cheapest configuration), or its own defaults (``defaults``). Its Prometheus
+        listener defaults to a fixed port (29000), so it gets a free one; the startup check
+        polls every second (the default 30 s would only delay the start: the sims answer
+        before it runs)."""
+        if self.defaults:
+            return self.fleet_command(port, [prefill], [decode], metrics_port, None, None)
         return self.fleet_command(port, [prefill], [decode], metrics_port)
 
     def fleet_command(
@@ -58,9 +64,11 @@ class Anchor:
         prefills: Sequence[str],
         decodes: Sequence[str],
         metrics_port: int,
-        policy: str = "round_robin",
+        policy: str | None = "round_robin",
+        log_level: str | None = "warning",
     ) -> list[str]:
-        """PD mode over every prefill and decode with one policy for both roles."""
+        """PD mode over every prefill and decode with one policy for both roles (None:
+        its default, cache_aware) and a log level (None: its default, info)."""
         fleet = [a for url in prefills for a in ("--prefill", url)]
         fleet += [a for url in decodes for a in ("--decode", url)]
         return [
@@ -68,9 +76,11 @@ class Anchor:
             *("--host", "127.0.0.1", "--port", str(port)),
             "--vllm-pd-disaggregation",
             *fleet,
-            *("--policy", policy, "--kv-connector", "nixl"),
+            *(("--policy", policy) if policy is not None else ()),
+            *("--kv-connector", "nixl"),
             *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)),
-            *("--worker-startup-check-interval", "1", "--log-level", "warning"),
+            *("--worker-startup-check-interval", "1"),
+            *(("--log-level", log_level) if log_level is not None else ()),
         ]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import os
 import sys
@@ -297,7 +298,12 @@ async def run_all(opts: Options, progress: Progress) -> list[tuple[Scenario, dic
 async def main_async(opts: Options, out: Outputs, progress_mode: Any) -> None:
     meta = report.environment(sys.argv)
     meta["anchor"] = (
-        {"name": anchors.NAME, "version": opts.anchor.version, "binary": str(opts.anchor.binary)}
+        {
+            "name": anchors.NAME,
+            "version": opts.anchor.version,
+            "binary": str(opts.anchor.binary),
+            "flags": "its defaults" if opts.anchor.defaults else "round_robin, warning",
+        }
         if opts.anchor is not None
         else None
     )
@@ -350,6 +356,12 @@ def parser() -> argparse.ArgumentParser:
         help="Also measure vllm-router (PD mode, round robin) in front of the same sims, "
         f"interleaved with pdproxy; installs it into {anchors.VENV} on first use.",
     )
+    p.add_argument(
+        "--anchor-defaults",
+        action="store_true",
+        help="vllm-router on its own defaults (cache_aware, logs at info), as users run it, "
+        "instead of its cheapest configuration (round robin, logs at warning)",
+    )
     p.add_argument("--anchor-version", default=anchors.VERSION, help="vllm-router's version")
     p.add_argument("--anchor-venv", type=Path, default=anchors.VENV, help="its own venv")
     p.add_argument(
@@ -373,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
 
     other = variant("api-key") if args.api_key else args.variant
     anchor = anchors.ensure(args.anchor_venv, args.anchor_version) if args.anchor else None
+    if anchor is not None and args.anchor_defaults:
+        anchor = dataclasses.replace(anchor, defaults=True)
     rounds = args.rounds or (4 if anchor is not None else 1)
     opts = Options(args.only, other, anchor, rounds, args.quick, args.logdir)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")

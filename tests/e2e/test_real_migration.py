@@ -28,6 +28,7 @@ from engines.vllm.launch import SMOLLM2, EnginePair, vllm_engines
 from engines.vllm.lifecycle import extra_engine
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.resilience import HealthConfig
+from pdproxy.config.upstream import Timeouts
 from pdproxy.types import EngineAddress
 from tests.e2e.conftest import SHARED_FLAGS, post, wait_until
 from tests.servers import RunningProxy, running_proxy
@@ -65,6 +66,9 @@ def _config(pair: EnginePair, decode: Engine, render_once: bool) -> ProxyConfig:
         admin_api_key=KEY,
         # three engines on two loaded cores answer probes slowly: only a dead one may fail them
         health=HealthConfig(timeout=30.0, failure_threshold=10),
+        # and their first prefills too: three at once on a fresh prefill took over 30 s in
+        # one CI run (504 before any stream began); the test is about the decode's death
+        timeouts=Timeouts(prefill=180.0, decode_headers=180.0),
     )
 
 

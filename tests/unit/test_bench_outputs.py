@@ -184,6 +184,14 @@ def test_anchor_command_line_runs_pd_mode_on_the_given_ports():
     ]
 
 
+def test_anchor_on_its_defaults_names_no_policy_and_no_log_level():
+    a = anchor.Anchor(Path("/venv/bin/vllm-router"), "0.1.17", defaults=True)
+    args = a.command(30001, "http://127.0.0.1:1", "http://127.0.0.1:2", 30002)
+    assert "--policy" not in args and "--log-level" not in args
+    assert args[-2:] == ["--worker-startup-check-interval", "1"]
+    assert "--prometheus-port" in args and "--vllm-pd-disaggregation" in args
+
+
 def test_anchor_fleet_command_lists_every_engine_and_the_policy():
     a = anchor.Anchor(Path("/venv/bin/vllm-router"), "0.1.17")
     args = a.fleet_command(1, ["http://p:1", "http://p:2"], ["http://d:1"], 2, "cache_aware")
