@@ -1,8 +1,5 @@
 """Mid-stream migration on real vLLM CPU engines serving SmolLM2-135M-Instruct: one prefill
-and two decodes: the session's ``smollm2_nixl`` pair and a decode of this module's own, with
-the pair's flags, which it kills. (The module once started a pair of its own too: with the
-session pairs alive that made eight engines, more than the machine's memory holds, and the
-prefill stopped answering.)
+and two decodes, this module's own (it kills one), started once for the module.
 
 Three greedy streams start on the module's decode alone, through two pdproxies in front of
 the same engines: the token-in path (``/inference/v1/generate``) and the text path's chat on
@@ -27,13 +24,13 @@ import orjson
 import pytest
 
 from engines.vllm.engine import Engine
-from engines.vllm.launch import SMOLLM2, EnginePair
+from engines.vllm.launch import SMOLLM2, EnginePair, vllm_engines
 from engines.vllm.lifecycle import extra_engine
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.resilience import HealthConfig
 from pdproxy.config.upstream import Timeouts
 from pdproxy.types import EngineAddress
-from tests.e2e.conftest import LORA_FLAGS, SHARED_FLAGS, post, wait_until
+from tests.e2e.conftest import SHARED_FLAGS, post, wait_until
 from tests.servers import RunningProxy, running_proxy
 
 pytestmark = pytest.mark.real_engine
@@ -46,20 +43,18 @@ KEY = "migration-admin-key"
 QUESTION = "Write a long story about a lighthouse keeper and a storm at sea."
 
 
-START_TIMEOUT = 900  # seconds: on a loaded two-core machine a start-up takes long
+START_TIMEOUT = 900  # seconds: on a loaded two-core machine three start-ups take long
 
 
 @pytest.fixture(scope="module")
-def doomed() -> Iterator[Engine]:
-    """A second decode (the one killed), with the session pair's flags."""
-    options: dict[str, Any] = {"model": SMOLLM2, "extra_args": SHARED_FLAGS + LORA_FLAGS}
-    with extra_engine("decode", cpu_bind="0", timeout=START_TIMEOUT, **options) as engine:
-        yield engine
-
-
-@pytest.fixture
-def engines(smollm2_nixl: EnginePair, doomed: Engine) -> tuple[EnginePair, Engine]:
-    return smollm2_nixl, doomed
+def engines() -> Iterator[tuple[EnginePair, Engine]]:
+    """A NIXL pair and a second decode (the one killed), with the session pairs' flags."""
+    options: dict[str, Any] = {"model": SMOLLM2, "extra_args": SHARED_FLAGS}
+    with (
+        vllm_engines(connector="nixl", timeout=START_TIMEOUT, **options) as pair,
+        extra_engine("decode", cpu_bind="0", timeout=START_TIMEOUT, **options) as doomed,
+    ):
+        yield pair, doomed
 
 
 def _config(pair: EnginePair, decode: Engine, render_once: bool) -> ProxyConfig:
