@@ -14,6 +14,15 @@ back-pressure, disconnects, the stream watchdog, a drain's error events and the 
 end all stay on uvicorn's own path. Any other server, protocol or framing gets None: the
 ASGI path.
 
+``send_together`` sends a response's start and its first body message (a whole answer's
+body, a stream's first chunk) as one write into that connection: the head alone would cost
+a write, a segment and a wake-up of the client of its own, for bytes the client cannot use
+without the body that follows at once.
+
+``when_lost`` hands pdproxy's client protocol (``runtime.listener.HardenedProtocol``) a
+callback for the connection's loss while the response is unfinished: the handler learns of
+a client that left without a task of its own waiting in ``receive``.
+
 It reads uvicorn's private ``RequestResponseCycle`` (``CYCLE_FIELDS``, and its flow
 control's ``write_paused``), looked up at each stream's start, never imported: a uvicorn
 that moves or reshapes it costs the fast path, never the start or a stream (the server logs
@@ -28,7 +37,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from starlette.types import Send
+from starlette.types import Message, Send
 
 CYCLE_MODULE = "uvicorn.protocols.http.httptools_impl"
 CYCLE_CLASS = "RequestResponseCycle"
@@ -63,6 +72,66 @@ def direct_writer(send: Send) -> Callable[[bytes], bool] | None:
         return True
 
     return write
+
+
+async def send_together(send: Send, start: Message, body: Message) -> None:
+    """``send(start)`` then ``send(body)``, their bytes written to the client as one (uvicorn's
+    cycle, as ``direct_writer``), else two plain sends. uvicorn's own code frames both and
+    keeps its state; only its transport is lent a ``_Held`` for the two calls."""
+    cycle: Any = getattr(send, "__self__", None)
+    transport = getattr(cycle, "transport", None) if _is_cycle(cycle) else None
+    if transport is None:
+        await send(start)
+        await send(body)
+        return
+    held = cycle.transport = _Held(transport)
+    try:
+        await send(start)
+        await send(body)
+    finally:
+        if cycle.transport is held:
+            cycle.transport = transport
+        held.flush()
+
+
+class _Held:
+    """A transport whose writes wait for ``flush`` (then one write); any other use (a
+    close, a look at its state) writes them first, so nothing is reordered or lost."""
+
+    __slots__ = ("_parts", "_transport")
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def flush(self) -> None:
+        parts = self._parts
+        if parts:
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            parts.clear()
+            self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        self.flush()
+        return getattr(self._transport, name)
+
+
+# Set on each cycle by the protocol that calls it (None until a handler asks): a cycle
+# without it belongs to a protocol that would never call the callback.
+LOST_HOOK = "pdproxy_when_lost"
+
+
+def when_lost(send: Send, callback: Callable[[], None]) -> bool:
+    """Have ``callback`` called when the client's connection is lost before the response
+    is complete; False where the connection's protocol cannot (read ``receive`` instead)."""
+    cycle: Any = getattr(send, "__self__", None)
+    if not _is_cycle(cycle) or getattr(cycle, LOST_HOOK, False) is not None:
+        return False
+    setattr(cycle, LOST_HOOK, callback)
+    return True
 
 
 def _is_cycle(candidate: object) -> bool:

@@ -19,7 +19,7 @@ import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from pdproxy.api.access import RequestFinisher
-from pdproxy.api.direct import direct_writer
+from pdproxy.api.direct import direct_writer, send_together, when_lost
 from pdproxy.api.errors import JSON, error_body, internal_error
 from pdproxy.api.state import AppState
 from pdproxy.errors import (
@@ -166,8 +166,11 @@ async def _serve(
     """Run the request (``answer`` gets its response), cancelling it if the client goes
     away; returns the outcome label. Shared with the pass-through endpoints."""
     task = asyncio.current_task()
-    disconnected = asyncio.Event()
-    watcher = asyncio.create_task(_watch_disconnect(receive, task, disconnected, trace))
+    disconnected = _Departure(task, trace)
+    # pdproxy's listener says when the client leaves; elsewhere a task waits in receive()
+    watcher = None
+    if not when_lost(send, disconnected.left):
+        watcher = asyncio.create_task(_watch_disconnect(receive, disconnected))
     admitted = False
     try:
         if state.admission is not None:
@@ -195,7 +198,9 @@ async def _serve(
         logger.exception("unexpected failure relaying %s", trace.endpoint)
         return "error"
     finally:
-        watcher.cancel()
+        disconnected.settled = True  # the request's end: no cancel from here on
+        if watcher is not None:
+            watcher.cancel()
         if admitted and state.admission is not None:
             state.admission.release()
 
@@ -226,22 +231,36 @@ async def _orchestrate(
             waiting.discard(task)
 
 
-async def _watch_disconnect(
-    receive: Receive,
-    task: asyncio.Task[Any] | None,
-    disconnected: asyncio.Event,
-    trace: RequestTrace,
-) -> None:
+class _Departure:
+    """A client that left before its response was whole: its handler is cancelled."""
+
+    __slots__ = ("_task", "_trace", "happened", "settled")
+
+    def __init__(self, task: asyncio.Task[Any] | None, trace: RequestTrace) -> None:
+        self._task = task
+        self._trace = trace
+        self.happened = False
+        self.settled = False  # the handler is past its answer: nothing to cancel
+
+    def is_set(self) -> bool:
+        return self.happened
+
+    def left(self) -> None:
+        if self.settled or self._trace.answered:
+            # uvicorn's receive() says "disconnect" as soon as the response is complete:
+            # the client got all of it, and the handler is only reading the engine's end
+            # of the stream to pool its connection (bounded by the stream watchdog), not
+            # to be cut.
+            return
+        self.happened = True
+        if self._task is not None:
+            self._task.cancel()
+
+
+async def _watch_disconnect(receive: Receive, departure: _Departure) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-    if trace.answered:
-        # uvicorn's receive() says "disconnect" as soon as the response is complete: the
-        # client got all of it, and the handler is only reading the engine's end of the
-        # stream to pool its connection (bounded by the stream watchdog), not to be cut.
-        return
-    disconnected.set()
-    if task is not None:
-        task.cancel()
+    departure.left()
 
 
 async def _send_response(
@@ -257,16 +276,16 @@ async def _send_response(
     trace.status = response.status
     if response.stream is None:
         headers.append((b"content-length", str(len(response.body)).encode("latin-1")))
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        start = {"type": "http.response.start", "status": response.status, "headers": headers}
         trace.answered = True
-        await send({"type": "http.response.body", "body": response.body})
+        await send_together(send, start, {"type": "http.response.body", "body": response.body})
         trace.first_byte, trace.bytes_sent = time.perf_counter(), len(response.body)
         return "ok"
     headers.append((b"cache-control", b"no-cache"))
     lifecycle.streams.add(response.stream)  # a drain past its grace ends it with an error event
     try:
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        await _send_stream(send, response.stream, trace)
+        start = {"type": "http.response.start", "status": response.status, "headers": headers}
+        await _send_stream(send, start, response.stream, trace)
     finally:
         lifecycle.streams.discard(response.stream)
         response.stream.close()
@@ -274,25 +293,32 @@ async def _send_response(
     return "ok" if failure is None else _outcome(failure)
 
 
-async def _send_stream(send: Send, stream: StreamRelay, trace: RequestTrace) -> None:
-    """Relay chunk by chunk; the chunk that ends with ``[DONE]`` also ends the response, so
-    the terminator does not cost a write of its own. Once the response has started, where
-    uvicorn allows it, the chunks in between are written straight into the client's
-    connection as they arrive (``direct_writer``); this loop wakes again only for the last
-    one, a failure, or a full client socket, after which it hands the stream back."""
-    finished = False
-    sent = 0
-    direct = None
+async def _send_stream(
+    send: Send, start: Message, stream: StreamRelay, trace: RequestTrace
+) -> None:
+    """Relay chunk by chunk; the first goes out with the response's start, in one write
+    (``send_together``), and the chunk that ends with ``[DONE]`` also ends the response, so
+    neither the head nor the terminator costs a write of its own. Once the response has
+    started, where uvicorn allows it, the chunks in between are written straight into the
+    client's connection as they arrive (``direct_writer``); this loop wakes again only for
+    the last one, a failure, or a full client socket, after which it hands the stream back."""
+    chunk = await stream.next_chunk()
+    finished = chunk is None or chunk.endswith(SSE_DONE)
+    sent = 0 if chunk is None else len(chunk)
+    trace.answered = finished
+    first = {"type": "http.response.body", "body": chunk or b"", "more_body": not finished}
     try:
+        await send_together(send, start, first)
+        trace.first_byte = time.perf_counter()
+        direct = None if finished else direct_writer(send)
+        if direct is not None:
+            stream.relay_directly(direct)
         while (chunk := await stream.next_chunk()) is not None:
             if finished:
                 continue  # nothing follows [DONE] in vLLM's streams
             finished = chunk.endswith(SSE_DONE)
             trace.answered = finished
             await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
-            if not sent:
-                trace.first_byte = time.perf_counter()
-                direct = direct_writer(send)
             sent += len(chunk)
             if direct is not None and not finished:
                 stream.relay_directly(direct)

@@ -21,8 +21,10 @@ connections and request heads", is the contract):
   ``LINGER`` passes), so the client reads the answer before any reset.
 
 The request/response cycle stays uvicorn's ``RequestResponseCycle`` (``pdproxy.api.direct``
-checks its type). Per request the cost is a few attribute updates and a clock read; per
-read of a head, a few comparisons; nothing per header field or streamed chunk.
+checks its type); each one is marked (``LOST_HOOK``) so that a handler can be told of the
+connection's loss before its response is complete (``direct.when_lost``). Per request the
+cost is a few attribute updates and a clock read; per read of a head, a few comparisons;
+nothing per header field or streamed chunk.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from pdproxy.api.direct import LOST_HOOK
 from pdproxy.config.listener import ClientLimits
 from pdproxy.errors import (
     BadRequest,
@@ -159,6 +162,12 @@ class HardenedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._cancel_tick()
+        cycle = self.cycle
+        if cycle is not None and cycle.disconnected:  # the response was unfinished
+            lost = getattr(cycle, LOST_HOOK, None)
+            if lost is not None:
+                setattr(cycle, LOST_HOOK, None)
+                lost()
 
     def _make_room(self) -> None:
         """Past the cap (closing and refused connections not counted), close the spare one
@@ -249,6 +258,8 @@ class HardenedProtocol(HttpToolsProtocol):
             self._probe_or_refuse()
             return
         super().on_headers_complete()
+        if self.cycle is not None:  # connection_lost calls what its handler sets here
+            setattr(self.cycle, LOST_HOOK, None)
 
     def _probe_or_refuse(self) -> None:
         """Past the cap only a probe is served (an orchestrator must not read a full

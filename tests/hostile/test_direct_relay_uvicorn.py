@@ -27,9 +27,11 @@ import pdproxy.api.openai as openai_api
 from pdproxy.api.direct import (
     CYCLE_CLASS,
     CYCLE_MODULE,
+    _Held,
     cycle_class,
     direct_writer,
     fast_path_problem,
+    send_together,
 )
 from pdproxy.config.listener import ListenerTLS
 from pdproxy.config.proxy import ProxyConfig
@@ -209,3 +211,68 @@ def test_a_cycle_missing_a_field_is_no_fast_path(missing):
     del fields[missing]
     assert direct_writer(_bare_cycle(**fields).send) is None
     assert direct_writer(_bare_cycle(**{**_fields(), "flow": object()}).send) is None
+
+
+_WRITES: list[bytes] = []
+
+
+async def _together_app(scope, receive, send) -> None:
+    """Sends its start and first body together, counting the connection's writes."""
+    if scope["type"] != "http":
+        return
+    cycle, real = send.__self__, send.__self__.transport
+
+    class Counting:
+        def write(self, data: bytes) -> None:
+            _WRITES.append(data)
+            real.write(data)
+
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+    cycle.transport = Counting()
+    streamed = scope["path"] == "/stream"
+    headers = [] if streamed else [(b"content-length", b"5")]
+    start = {"type": "http.response.start", "status": 200, "headers": headers}
+    first = {"type": "http.response.body", "body": b"first", "more_body": streamed}
+    await send_together(send, start, first)
+    if streamed:
+        await send({"type": "http.response.body", "body": b",last"})
+
+
+@pytest.mark.parametrize("path", ["/whole", "/stream"])
+async def test_a_response_start_and_its_first_body_are_one_write(path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_app", _together_app)
+    _WRITES.clear()
+    async with _uvicorn() as url:
+        body = await _get(url + path)
+    assert body == (b"first,last" if path == "/stream" else b"first")
+    head_and_first = _WRITES[0]
+    assert head_and_first.startswith(b"HTTP/1.1 200 OK\r\n"), _changed()
+    assert head_and_first.endswith(b"\r\n5\r\nfirst\r\n" if path == "/stream" else b"\r\n\r\nfirst")
+    assert len(_WRITES) == (2 if path == "/stream" else 1)
+
+
+async def test_any_other_send_gets_two_plain_sends():
+    sent = []
+
+    async def send(message) -> None:
+        sent.append(message["type"])
+
+    start = {"type": "http.response.start", "status": 200, "headers": []}
+    await send_together(send, start, {"type": "http.response.body", "body": b"x"})
+    assert sent == ["http.response.start", "http.response.body"]
+
+
+def test_a_held_write_goes_out_before_the_transport_is_used_otherwise():
+    transport = _Transport()
+    calls = []
+    transport.close = lambda: calls.append(list(transport.written))  # type: ignore[attr-defined]
+    held = _Held(transport)
+    held.write(b"head,")
+    held.write(b"body")
+    assert transport.written == []
+    held.close()  # uvicorn closes a connection that does not keep alive
+    assert calls == [[b"head,body"]]
+    held.flush()
+    assert transport.written == [b"head,body"]  # nothing twice
