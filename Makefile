@@ -103,3 +103,12 @@ WORKERS_ARGS ?=
 .PHONY: bench-workers
 bench-workers: install
 	$(PY) -m bench.workers $(WORKERS_ARGS)
+
+## bench-cpu-split: where pdproxy's and vllm-router's CPU goes under (a) and (b) (kernel, the
+## router's own code, the event loop, libc), by perf's software clock; needs perf (Debian:
+## linux-perf). SPLIT_ARGS="--only b-chat --rounds 4"
+SPLIT_ARGS ?= --only a b
+.PHONY: bench-cpu-split
+bench-cpu-split: install
+	$(PY) -m bench.anchor install
+	$(PY) -m bench.cpu_split $(SPLIT_ARGS)

@@ -135,11 +135,13 @@ def _orchestrator(
         rng=rng,
         lora=_lora_on_demand(config, core, scheduler, clock),
         first_token=config.first_token_from_prefill,
-        prompt_tokens=_prompt_tokens(config, scheduler),
+        prompt_tokens=_prompt_tokens(config, scheduler, core.metrics),
     )
 
 
-def _prompt_tokens(config: ProxyConfig, scheduler: Scheduler) -> PromptTokens | None:
+def _prompt_tokens(
+    config: ProxyConfig, scheduler: Scheduler, metrics: ProxyMetrics
+) -> PromptTokens | None:
     """--tokenizer: loaded only when a kv-events policy reads token ids; raises
     ``ConfigError`` for files it cannot load."""
     specs = config.scheduling.tokenizers
@@ -149,7 +151,10 @@ def _prompt_tokens(config: ProxyConfig, scheduler: Scheduler) -> PromptTokens | 
         logger.warning("--tokenizer is ignored: only the kv-events policy reads token ids")
         return None
     tokenizers = {model: LocalTokenizer.load(path) for model, path in specs}
-    return PromptTokens(tokenizers, scheduler.wants_token_ids)
+    counter = metrics.prompt_tokens
+    return PromptTokens(
+        tokenizers, scheduler.wants_token_ids, count=lambda outcome: counter.labels(outcome).inc()
+    )
 
 
 def _lora_on_demand(

@@ -12,6 +12,10 @@ from prometheus_client.registry import Collector
 _LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+# pdproxy_prompt_tokens_total's outcomes (pdproxy.proxying.prompt_tokens)
+PROMPT_TOKEN_OUTCOMES = ("exact", "unsupported", "failed", "no_tokenizer")
+
+
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -147,6 +151,17 @@ class ProxyMetrics:
             "kv-events: the absolute difference between predicted and actual cached tokens.",
             registry=registry,
         )
+        self.prompt_tokens = Counter(
+            "pdproxy_prompt_tokens_total",
+            "--tokenizer: text requests scored by kv-events, by how their prompt was"
+            " tokenized: exact (scored on its token ids), unsupported (a shape the local"
+            " tokenizer cannot reproduce), failed (the tokenizer raised), no_tokenizer (none"
+            " for the model); all but exact are scored approximately.",
+            ("outcome",),
+            registry=registry,
+        )
+        for outcome in PROMPT_TOKEN_OUTCOMES:
+            self.prompt_tokens.labels(outcome)
 
     def _define_endpoints(self, registry: CollectorRegistry) -> None:
         """Per instance (role, url); a departed instance's series are removed."""

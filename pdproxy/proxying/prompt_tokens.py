@@ -4,7 +4,9 @@
 Only for a request whose model is scored by ``kv-events`` and that carries no token ids
 of its own (a token-in request, or ``--render-once``'s rendering, already does). The ids
 only feed scoring: the bodies sent to the engines are untouched. A prompt the tokenizer
-cannot reproduce exactly is scored without them (``LocalTokenizer.prompt_ids``).
+cannot reproduce exactly is scored without them (``LocalTokenizer.prompt_ids``). Each
+request's outcome is counted (``pdproxy_prompt_tokens_total``), so an operator sees how
+much of the traffic is scored exactly.
 
 Where it runs: a short prompt on the event loop (cheaper than a thread hand-off); a longer
 one on this object's threads, through ``encode_batch``, which releases the GIL while Rust
@@ -43,9 +45,11 @@ class PromptTokens:
         wanted: Callable[[str | None], bool],
         *,
         inline_chars: int = INLINE_CHARS,
+        count: Callable[[str], None] = lambda outcome: None,
     ) -> None:
         self._tokenizers = dict(tokenizers)  # model -> tokenizer; "" for every other model
         self._wanted = wanted
+        self._count = count  # each text request's outcome (PROMPT_TOKEN_OUTCOMES)
         self._inline_chars = inline_chars
         self._pool: ThreadPoolExecutor | None = None
 
@@ -55,6 +59,7 @@ class PromptTokens:
             return features
         tokenizer = self.tokenizer_for(features.model)
         if tokenizer is None:
+            self._count("no_tokenizer")
             return features
         try:
             if prompt_chars(body) <= self._inline_chars:
@@ -66,8 +71,13 @@ class PromptTokens:
                 ids = await loop.run_in_executor(self._pool, tokenizer.prompt_ids, body, True)
         except Exception:  # the tokenizer's own failure costs exactness, never the request
             logger.debug("%s: tokenizing the prompt failed", tokenizer.name, exc_info=True)
+            self._count("failed")
             return features
-        return features if ids is None else dataclasses.replace(features, token_ids=ids)
+        if ids is None:
+            self._count("unsupported")
+            return features
+        self._count("exact")
+        return dataclasses.replace(features, token_ids=ids)
 
     def tokenizer_for(self, model: str | None) -> LocalTokenizer | None:
         own = self._tokenizers.get(model) if model else None

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import io
 import json
 import os
 import resource
@@ -33,6 +35,8 @@ import pytest
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.runtime.listener import OVER_CAP_WAITING
+from pdproxy.wire.local_tokenizer import MAX_PROMPT_CHARS
+from tests.sim_tokenizer import write_model_dir
 
 HOST = "127.0.0.1"
 MODEL = "sim-model"
@@ -87,12 +91,17 @@ def _rss(pid: int) -> int:
 
 @contextlib.asynccontextmanager
 async def pdproxy(
-    tmp_path, *flags: str, nofile: int | None = None, decode_tps: float = 0.0
+    tmp_path,
+    *flags: str,
+    nofile: int | None = None,
+    decode_tps: float = 0.0,
+    max_model_len: int = 4096,
 ) -> AsyncIterator[Proxy]:
     """pdproxy in its own process (``nofile``: its RLIMIT_NOFILE) before a 1P1D sim fleet."""
+    engine = SimConfig(model=MODEL, max_model_len=max_model_len)
     async with (
-        running_sim(SimConfig(role="prefill", model=MODEL)) as p,
-        running_sim(SimConfig(role="decode", model=MODEL, decode_tps=decode_tps)) as d,
+        running_sim(dataclasses.replace(engine, role="prefill")) as p,
+        running_sim(dataclasses.replace(engine, role="decode", decode_tps=decode_tps)) as d,
     ):
         port = free_port()
         args = [sys.executable, "-m", "pdproxy", "--host", HOST, "--port", str(port)]
@@ -541,3 +550,36 @@ async def test_every_worker_serves_through_the_bounds(tmp_path):
                 proxy.port, b"GET /status HTTP/1.1\r\nHost: p\r\nX-Big: ", b"v" * 1024, 5
             )
             _refusal(refused, 431, "RequestHeaderFieldsTooLargeError")
+
+
+async def test_huge_prompts_tokenized_by_pdproxy_never_slow_health(tmp_path):
+    """--tokenizer (pdproxy tokenizes text for kv-events): clients send prompts just under
+    the 1 MiB the local tokenizer takes, several at once. They are encoded on threads that
+    release the GIL, so /health stays fast; every client is answered, and each prompt was
+    tokenized exactly (pdproxy_prompt_tokens_total), not skipped."""
+    words = [f"w{i:03d}" + "x" * 96 for i in range(512)]  # 100 characters a token
+    folder = write_model_dir(tmp_path / "tokenizer", [" ".join(words)])
+    text = " ".join(words[i % 512] for i in range(MAX_PROMPT_CHARS // 100))
+    text = text[: MAX_PROMPT_CHARS - 8]  # about 10,400 tokens
+    kv_events = ("--prefill-policy", "kv-events", "--decode-policy", "kv-events")
+    flags = (*kv_events, "--tokenizer", str(folder))
+    async with pdproxy(tmp_path, *flags, max_model_len=16384) as proxy:
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as s:
+
+            async def one(i: int) -> int:
+                prompt = f"w{i} {text}"[:MAX_PROMPT_CHARS]
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                data = io.BytesIO(orjson.dumps(body))  # aiohttp warns of a large bytes body
+                headers = {"Content-Type": "application/json"}
+                async with s.post(proxy.url + "/v1/completions", data=data, headers=headers) as r:
+                    await r.read()
+                    return r.status
+
+            with health_probed(proxy):
+                await asyncio.sleep(0.3)  # probes before the prompts, too
+                for _ in range(2):
+                    assert await asyncio.gather(*(one(i) for i in range(4))) == [200] * 4
+            async with s.get(proxy.url + "/metrics") as r:
+                metrics = await r.text()
+    assert 'pdproxy_prompt_tokens_total{outcome="exact"} 8.0' in metrics, proxy.log()[-2000:]

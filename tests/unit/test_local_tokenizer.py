@@ -203,6 +203,47 @@ async def test_prompt_tokens_fill_only_what_kv_events_reads(tmp_path):
         filler.close()
 
 
+async def test_each_text_request_outcome_is_counted(tmp_path):
+    """pdproxy_prompt_tokens_total's outcomes: exact, unsupported, failed, no_tokenizer;
+    requests kv-events does not score, or that carry their ids, are not counted."""
+    from collections import Counter
+
+    from pdproxy.observability.metrics import PROMPT_TOKEN_OUTCOMES
+
+    counted: Counter[str] = Counter()
+
+    class Broken:
+        name = "broken"
+
+        def prompt_ids(self, body, threaded=False):
+            raise RuntimeError("the tokenizer's own bug")
+
+    filler = PromptTokens(
+        {"m": load(tmp_path), "b": Broken()},  # type: ignore[dict-item]
+        lambda m: m != "z",
+        count=lambda outcome: counted.update([outcome]),
+    )
+    try:
+        for model_name, body, outcome in (
+            ("m", {"prompt": TEXT}, "exact"),
+            ("m", {"prompt": ["a", "b"]}, "unsupported"),  # a batch
+            ("b", {"prompt": TEXT}, "failed"),  # the tokenizer raised: the request goes on
+            ("n", {"prompt": TEXT}, "no_tokenizer"),
+            ("z", {"prompt": TEXT}, None),  # not scored by kv-events: not counted
+        ):
+            before = counted.copy()
+            features = RequestFeatures(model=model_name)
+            filled = await filler.fill({"model": model_name, **body}, features)
+            assert (filled.token_ids is not None) == (outcome == "exact")
+            assert counted - before == (Counter([outcome]) if outcome else Counter())
+        given = RequestFeatures(model="m", token_ids=[5])
+        assert await filler.fill({"model": "m", "prompt": TEXT}, given) is given
+    finally:
+        filler.close()
+    assert dict(counted) == {"exact": 1, "unsupported": 1, "failed": 1, "no_tokenizer": 1}
+    assert set(counted) == set(PROMPT_TOKEN_OUTCOMES)
+
+
 def test_the_flag_reaches_the_config():
     from pdproxy.cli.main import parse_config
 
