@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from bench import anchor as anchors
 from bench import load
 from bench.procs import tree_cpu_seconds
 from bench.run import sim_deployment
-from bench.scenarios import SCENARIOS, Scenario
+from bench.scenarios import Scenario, selected
 
 # A code file's group: the first group whose marker its name contains.
 GROUPS = (
@@ -160,14 +160,9 @@ def table(scenario: Scenario, splits: dict[str, Split]) -> str:
     return "\n".join(lines)
 
 
-def chosen(names: Iterable[str] | None) -> list[Scenario]:
-    sims = [s for s in SCENARIOS if not s.real]
-    return sims if not names else [s for s in sims if s.letter in set(names)]
-
-
 async def main_async(args: argparse.Namespace) -> None:
     anchor = anchors.ensure(args.anchor_venv, args.anchor_version)
-    for scenario in chosen(args.only):
+    for scenario in (s for s in selected(args.only) if not s.real):  # sims only
         with tempfile.TemporaryDirectory(prefix="pdproxy-cpu-split-") as tmp:
             splits = await measure(scenario, anchor, args.rounds, tmp)
         print(table(scenario, splits) + "\n", flush=True)

@@ -181,7 +181,7 @@ async def _serve(
             return "error"
         return await _send_response(send, response, state.lifecycle, trace)
     except asyncio.CancelledError:
-        if disconnected.is_set():
+        if disconnected.happened:
             _uncancel(task)
             return "client_disconnected"
         if not state.lifecycle.forced:
@@ -241,9 +241,6 @@ class _Departure:
         self._trace = trace
         self.happened = False
         self.settled = False  # the handler is past its answer: nothing to cancel
-
-    def is_set(self) -> bool:
-        return self.happened
 
     def left(self) -> None:
         if self.settled or self._trace.answered:

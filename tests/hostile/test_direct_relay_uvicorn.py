@@ -32,6 +32,7 @@ from pdproxy.api.direct import (
     direct_writer,
     fast_path_problem,
     send_together,
+    when_lost,
 )
 from pdproxy.config.listener import ListenerTLS
 from pdproxy.config.proxy import ProxyConfig
@@ -276,3 +277,56 @@ def test_a_held_write_goes_out_before_the_transport_is_used_otherwise():
     assert calls == [[b"head,body"]]
     held.flush()
     assert transport.written == [b"head,body"]  # nothing twice
+
+
+_LOST: dict[str, object] = {}
+
+
+async def _lost_app(scope, receive, send) -> None:
+    """Registers for the connection's loss, then waits (as a request waits on its legs)."""
+    if scope["type"] != "http":
+        return
+    told = asyncio.get_running_loop().create_future()
+    _LOST["registered"] = when_lost(send, lambda: told.set_result(True))
+    _LOST["told"] = told
+    await asyncio.sleep(30)
+
+
+async def _leave_mid_request(url: str) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET / HTTP/1.1\r\nHost: p\r\n\r\n")
+    await writer.drain()
+    for _ in range(200):  # the app has registered
+        if "told" in _LOST:
+            break
+        await asyncio.sleep(0.01)
+    writer.close()
+
+
+async def test_pdproxys_listener_tells_a_handler_its_client_left(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_app", _lost_app)
+    _LOST.clear()
+    async with _uvicorn() as url:
+        await _leave_mid_request(url)
+        assert _LOST["registered"] is True
+        assert await asyncio.wait_for(_LOST["told"], 5) is True  # no task in receive()
+
+
+async def test_under_another_protocol_the_handler_reads_receive_instead():
+    _LOST.clear()
+    config = uvicorn.Config(_lost_app, host="127.0.0.1", port=0, lifespan="off", log_level="error")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        await _leave_mid_request(f"http://127.0.0.1:{port}")
+        assert _LOST["registered"] is False  # uvicorn's own protocol never calls it
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        await asyncio.wait_for(task, 10)
