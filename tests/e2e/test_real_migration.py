@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -37,7 +39,7 @@ pytestmark = pytest.mark.real_engine
 
 CHAT = "/v1/chat/completions"
 GENERATE = "/inference/v1/generate"
-TOKENS = 40
+TOKENS = 64
 CUT_AFTER = 10  # tokens each stream has when its decode is killed
 KEY = "migration-admin-key"
 QUESTION = "Write a long story about a lighthouse keeper and a storm at sea."
@@ -52,7 +54,10 @@ def engines() -> Iterator[tuple[EnginePair, Engine]]:
     options: dict[str, Any] = {"model": SMOLLM2, "extra_args": SHARED_FLAGS}
     with (
         vllm_engines(connector="nixl", timeout=START_TIMEOUT, **options) as pair,
-        extra_engine("decode", cpu_bind="0", timeout=START_TIMEOUT, **options) as doomed,
+        # on the pair's decode's core, never the prefill's: a decode busy-polling its KV fetch
+        # on the prefill's core starved the prefill that must serve the read (one transfer
+        # of 2.8 MB took 55 s, the next never ended; on core 1 it takes 2 ms)
+        extra_engine("decode", cpu_bind="1", timeout=START_TIMEOUT, **options) as doomed,
     ):
         yield pair, doomed
 
@@ -107,11 +112,13 @@ class _Stream:
     """One streamed answer, read as it comes: its events and the tokens counted so far."""
 
     def __repr__(self) -> str:
-        return f"<{self.tokens} tokens, last events {self.events[-2:]}>"
+        first = f"the first at {self.first_at:.1f} s"
+        return f"<{self.tokens} tokens, {first}, last events {self.events[-2:]}>"
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
         self.tokens = 0
+        self.first_at = float("nan")  # the test's clock (monotonic) when the first token came
 
     def feed(self, data: bytes) -> None:
         if data == b"[DONE]":
@@ -124,6 +131,8 @@ class _Stream:
                 self.tokens += len(ids)
             elif (choice.get("delta") or {}).get("content"):
                 self.tokens += 1
+        if self.tokens and math.isnan(self.first_at):
+            self.first_at = time.monotonic()
 
     @property
     def text(self) -> str:
@@ -199,6 +208,15 @@ async def test_a_killed_decode_s_streams_complete_on_the_other(
     assert len(want_ids) > CUT_AFTER + 5  # a long answer: the cut falls inside it
 
     async with _proxies(pair, doomed_decode) as (text, rendered):
+        # the same three requests once, whole, on the doomed decode: a fresh prefill's first
+        # prefills of each shape took up to 33 s in one CI run, so the streams began that far
+        # apart and the first ended before the last began; warm, they begin together
+        warm = await asyncio.gather(
+            post(text.url, GENERATE, _generate(pair, ids, False), 300),
+            post(text.url, CHAT, _chat(pair, False), 300),
+            post(rendered.url, CHAT, _chat(pair, False), 300),
+        )
+        assert [status for status, _ in warm] == [200] * 3, warm
         streams = {name: _Stream() for name in ("token-in", "text chat", "render-once chat")}
         readers = [
             asyncio.ensure_future(
