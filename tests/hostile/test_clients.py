@@ -20,7 +20,6 @@ import io
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.runtime.listener import OVER_CAP_WAITING
 from pdproxy.wire.local_tokenizer import MAX_PROMPT_CHARS
+from tests import latency
 from tests.sim_tokenizer import write_model_dir
 
 HOST = "127.0.0.1"
@@ -173,7 +173,7 @@ class HealthProbe:
     def check(self) -> None:
         assert not self.failures, self.failures[:3]
         assert len(self.latencies) >= 30, len(self.latencies)
-        p99 = statistics.quantiles(self.latencies, n=100)[98]
+        p99 = latency.p99(self.latencies)
         assert p99 < P99, f"/health p99 {p99 * 1000:.1f} ms over {len(self.latencies)} probes"
 
 

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import socket
-import statistics
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,6 +31,7 @@ from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.registry import RegistryConfig
 from pdproxy.config.resilience import HealthConfig
 from pdproxy.types import EngineAddress
+from tests import latency
 from tests.integration.conftest import MODEL, ROUND_ROBIN
 from tests.integration.test_registry import dealer
 from tests.integration.test_registry_hardening import until, value
@@ -80,7 +80,7 @@ async def watched(proxy: RunningProxy, fd_slack: int = FD_SLACK) -> AsyncIterato
         stop.set()
         await asyncio.wait_for(task, 10)
     assert len(latencies) >= MIN_PROBES, latencies
-    p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) > 1 else latencies[0]
+    p99 = latency.p99(latencies)
     assert p99 < HEALTH_P99, f"/health p99 {p99 * 1000:.1f} ms"
     assert fds["peak"] - fds["start"] < fd_slack, fds
 

@@ -24,6 +24,7 @@ import zmq
 from engines.ports import free_port
 from engines.sim import SimConfig, running_sim
 from pdproxy.config.registry import RegistryConfig
+from tests import latency
 from tests.integration.conftest import MODEL, deployment
 from tests.integration.test_registry import dealer, p2p
 
@@ -101,7 +102,7 @@ async def _latencies(session: aiohttp.ClientSession, url: str, seconds: float) -
 
 
 def _p99(latencies: list[float]) -> float:
-    return statistics.quantiles(latencies, n=100)[98]
+    return latency.p99(latencies)
 
 
 def _peak_rss_mib() -> float:
