@@ -26,10 +26,10 @@ _FIRST = ("tests/e2e/test_real_migration.py",)
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The real migration module runs first in the real-engine tier: it starts a pair and a
-    second decode of its own and kills that decode mid-stream. Run after the session pairs
-    had started (beside them), its prefill stopped answering and its decode's NIXL reads
-    never reached the prefill, in three clean-clone CI runs; alone it passes. The rest of
-    the order is unchanged."""
+    second decode of its own and kills that decode mid-stream, so it runs before the session
+    pairs start (three engines more in memory otherwise). Its NIXL reads that never reached
+    the prefill, first blamed on those neighbours, came from its second decode sharing the
+    prefill's core (see its ``engines`` fixture). The rest of the order is unchanged."""
     first = [i for i in items if i.nodeid.startswith(_FIRST)]
     if not first:
         return
