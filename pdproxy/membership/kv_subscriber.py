@@ -27,14 +27,25 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdproxy.scheduling.kv_events import KVIndex, MalformedEvents, decode_batch
+from pdproxy.scheduling.kv_events import KVIndex, MalformedEvents, decode_batch, pieces
 from pdproxy.scheduling.kv_sequence import Action, SequenceTracker
 
 logger = logging.getLogger(__name__)
 
 _END = (-1).to_bytes(8, "big", signed=True)
-_RECV_HWM = 100_000  # vLLM's own PUB high-water mark
-_MAX_BYTES = 64 << 20  # a batch larger than this is not vLLM's
+# Batches queued for one subscriber: vLLM sends one an engine step and pdproxy takes each
+# in well under a millisecond, so 64 wait only when the loop was held far longer than any
+# request bears. Past it ZMQ drops them, a gap the replay fills; what it bounds is the
+# memory a publisher faster than pdproxy can take (64 x _MAX_BYTES).
+_RECV_HWM = 64
+# A batch larger than this is not vLLM's: one engine step stores at most its batched
+# tokens' blocks (a whole 128k-token prompt at block size 16 is 0.75 MiB of events).
+# Decoding a batch holds the event loop (about 15 ms a MiB here, for each rank that
+# receives it), so the bound is the longest a publisher can hold it; ZMQ drops a larger
+# message and the connection that sent it.
+_MAX_BYTES = 2 << 20
+# Blocks applied to the index between two yields to the event loop (about 2 ms of work)
+_TURN_BLOCKS = 1024
 
 
 @dataclass(slots=True)
@@ -135,7 +146,7 @@ class KVEventSubscriber:
         seq, ts, events = parsed
         action = self.sequence.live(seq, ts)
         if action is Action.APPLY:
-            self._apply(events)
+            await self._apply(events)
             return
         if action is Action.SKIP:
             return
@@ -145,15 +156,15 @@ class KVEventSubscriber:
         # Awaited inline: the SUB socket queues meanwhile (its HWM is vLLM's), and the
         # batches the replay covered are then skipped by their number and timestamp.
         await self._replay(self.sequence.next or 0)
-        self._take_replayed(seq, ts, events)
+        await self._take_replayed(seq, ts, events)
 
-    def _take_replayed(self, seq: int, ts: float, events: list[Any]) -> None:
+    async def _take_replayed(self, seq: int, ts: float, events: list[Any]) -> None:
         action = self.sequence.replayed(seq, ts)
         if action is Action.RESTART:  # the gap could not be filled: rebuild from here
             logger.warning("KV events of %s: gap not replayed, rebuilding", self.instance)
             self._index.clear(self.instance)
         if action is not Action.SKIP:
-            self._apply(events)
+            await self._apply(events)
 
     async def _replay(self, start: int) -> None:
         if self.replay_endpoint is None:
@@ -172,7 +183,7 @@ class KVEventSubscriber:
                 parsed = self._parse(frames[1:])
                 if parsed is None:
                     continue
-                self._take_replayed(*parsed)
+                await self._take_replayed(*parsed)
         except TimeoutError:
             self.stats.replay_failures += 1
             logger.warning("KV events replay of %s: no answer", self.instance)
@@ -194,8 +205,15 @@ class KVEventSubscriber:
             return None
         return int.from_bytes(frames[1], "big"), float(ts), list(events)
 
-    def _apply(self, events: list[Any]) -> None:
-        self._index.apply(self.instance, events)
+    async def _apply(self, events: list[Any]) -> None:
+        """``events`` into the index, ``_TURN_BLOCKS`` at a time: a batch of a million
+        blocks must not hold the loop (requests meanwhile match a partly applied batch,
+        as they would a batch not yet received)."""
+        turns = pieces(events, _TURN_BLOCKS)
+        self._index.apply(self.instance, next(turns, []))
+        for turn in turns:
+            await asyncio.sleep(0)
+            self._index.apply(self.instance, turn)
         self._index.heard(self.instance)
         self.stats.batches += 1
         self.stats.last_batch_at = time.monotonic()

@@ -12,6 +12,7 @@ from pdproxy.scheduling.kv_events import (
     block_keys,
     decode_batch,
     decode_event,
+    pieces,
 )
 
 TOKENS = list(range(100, 164))  # 4 blocks of 16
@@ -130,3 +131,51 @@ def test_memory_is_capped_in_blocks():
         _store(index, "a", list(range(tenant * 10, tenant * 10 + 4)), None, [tenant] * 64)
     assert len(index) == 8
     assert len(index._keys["a"]) <= 8
+
+
+def test_the_oldest_engine_hashes_are_forgotten_first():
+    index = KVIndex(4)
+    _store(index, "a", [1, 2, 3], None, TOKENS[:48])
+    _store(index, "a", [4, 5], 3, TOKENS[48:64] + [9] * 16)
+    assert index.held("a") == 4
+    index.apply("a", [Removed((1,))])  # forgotten: a no-op
+    assert index.held("a") == 4
+    index.apply("a", [Removed((2,))])  # still known: removed
+    assert index.held("a") == 3
+
+
+def _events() -> list:
+    """Every kind of event, the stored ones long: a chain of 10 blocks from the root, one
+    of 5 continuing it, removals, a clear, and stores after it."""
+    tokens = [t % 97 for t in range(10 * 16 + 5 * 16)]
+    return [
+        Stored(tuple(range(1, 11)), None, tokens[:160], 16, "ada", None, ("ada", "salt")),
+        Stored(tuple(range(11, 16)), 10, tokens[160:], 16),
+        Removed((3, 4, 5, 6, 7, 8, 9)),
+        Stored((), None, [], 16),
+        Cleared(),
+        Stored(tuple(range(20, 27)), None, tokens[:112], 16),
+        Removed((25, 26)),
+    ]
+
+
+@pytest.mark.parametrize("most", [1, 2, 3, 7, 1000])
+def test_pieces_apply_to_the_same_index_as_the_whole(most):
+    events = _events()
+    whole, cut = KVIndex(1000), KVIndex(1000)
+    whole.apply("a", events)
+    runs = list(pieces(events, most))
+    for run in runs:
+        assert sum(len(e.block_hashes) for e in run if not isinstance(e, Cleared)) <= most
+        cut.apply("a", run)
+    assert cut._keys == whole._keys
+    assert cut.prefixes._entries == whole.prefixes._entries
+    assert cut.unchained == whole.unchained == 0
+    assert len(runs) == -(-31 // most)  # 31 blocks stored or removed, packed greedily
+
+
+def test_a_stored_part_chains_to_the_block_before_it():
+    event = Stored((1, 2, 3), 0, list(range(48)), 16, "ada", "cpu", ("ada",))
+    first, second = (run[0] for run in pieces([event], 2))
+    assert first == Stored((1, 2), 0, list(range(32)), 16, "ada", "cpu", ("ada",))
+    assert second == Stored((3,), 2, list(range(32, 48)), 16, "ada", "cpu", ("ada",))

@@ -1,0 +1,77 @@
+"""A hostile engine's KV-event publisher (``--prefill-policy kv-events``): batches at the
+bound on a batch's size, made of the most blocks a byte can carry, into a full index, and
+batches over the bound. pdproxy applies each batch in turns of ``_TURN_BLOCKS`` blocks
+(before, a batch of 180,000 blocks held the loop for a second, and a store into a full index
+cost 35-80 us a block): /health stays fast, every client gets its own answer, the index
+stays within its cap and memory bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import aiohttp
+
+from engines.ports import free_port
+from tests.hostile.test_clients import (
+    MiB,
+    completions,
+    health_probed,
+    own_answers,
+    pdproxy,
+)
+
+MAX_BLOCKS = 50_000  # filled by the first batch: every later block evicts one
+# The index at its cap (two roles, 100 bytes a block, and each rank's 50,000 engine hashes)
+# and a batch in flight on each of the two subscribers (180,000 blocks decode to about
+# 10 MB of Python objects) A publisher faster than pdproxy grows it no
+# further (the subscriber's queue holds 64 batches); before the bound on a batch, one
+# 64 MB batch alone decoded to several hundred MB.
+RSS_BUDGET = 192 * MiB
+FLOOD_S = 5.0
+
+
+async def _status(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(url + "/status") as r:
+        return (await r.json())["kv_events"]
+
+
+async def test_a_flood_of_batches_at_the_bound_into_a_full_index_never_stalls_pdproxy(tmp_path):
+    port = free_port()
+    flags = (
+        *("--prefill-policy", "kv-events", "--decode-policy", "kv-events"),
+        *("--kv-events-endpoint", f"tcp://127.0.0.1:{port}"),
+        *("--prefix-index-max-blocks", str(MAX_BLOCKS)),
+    )
+    async with pdproxy(tmp_path, *flags) as proxy:
+        reference = await completions(proxy, range(8))
+        quiet_rss = proxy.rss()
+        args = [sys.executable, "-m", "tests.hostile.kv_flood", str(port), str(FLOOD_S)]
+        flood = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
+        try:
+            assert flood.stdout is not None
+            assert await asyncio.wait_for(flood.stdout.readline(), 15) == b"ready\n"
+            with health_probed(proxy) as probe:
+                while flood.returncode is None and not flood.stdout.at_eof():
+                    await own_answers(proxy, range(8), reference)
+                    try:
+                        line = await asyncio.wait_for(flood.stdout.readline(), 0.2)
+                    except TimeoutError:
+                        continue
+                    if line:
+                        sent = json.loads(line)
+                        break
+            assert await asyncio.wait_for(flood.wait(), 10) == 0
+        finally:
+            if flood.returncode is None:
+                flood.kill()
+                await flood.wait()
+        status = await _status(proxy.url)
+    assert sent["under"] >= 3 and sent["over"] >= 1, sent
+    assert probe.max_rss - quiet_rss < RSS_BUDGET, (quiet_rss, probe.max_rss)
+    # both legs subscribed (one endpoint for both engines here) and took whole batches
+    ranks = status["instances"].values()
+    assert len(ranks) == 2 and all(r["batches"] >= 1 for r in ranks), status
+    assert all(r["indexed_blocks"] <= MAX_BLOCKS for r in ranks), status
+    assert status["indexed_blocks"] <= status["max_blocks"] == MAX_BLOCKS, status
