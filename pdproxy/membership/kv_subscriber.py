@@ -46,6 +46,10 @@ _RECV_HWM = 64
 _MAX_BYTES = 2 << 20
 # Blocks applied to the index between two yields to the event loop (about 2 ms of work)
 _TURN_BLOCKS = 1024
+# A replay is vLLM's buffer (10,000 batches, sent at once): one that goes on past that
+# many batches or replay timeouts is a broken or hostile publisher, left for the live feed
+_REPLAY_BATCHES = 10_000
+_REPLAY_TIMEOUTS = 10
 
 
 @dataclass(slots=True)
@@ -173,20 +177,24 @@ class KVEventSubscriber:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_BYTES)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._replay_timeout * _REPLAY_TIMEOUTS
         try:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout)
+            for _ in range(_REPLAY_BATCHES + 1):
+                wait = min(self._replay_timeout, deadline - loop.time())
+                frames = await asyncio.wait_for(dealer.recv_multipart(), max(wait, 0.0))
                 if len(frames) == 4 and frames[2] == _END:
                     return
                 parsed = self._parse(frames[1:])
-                if parsed is None:
-                    continue
-                await self._take_replayed(*parsed)
+                if parsed is not None:
+                    await self._take_replayed(*parsed)
+            self.stats.replay_failures += 1
+            logger.warning("KV events replay of %s: endless, left", self.instance)
         except TimeoutError:
             self.stats.replay_failures += 1
-            logger.warning("KV events replay of %s: no answer", self.instance)
+            logger.warning("KV events replay of %s: no end in time", self.instance)
         finally:
             dealer.close(linger=0)
 

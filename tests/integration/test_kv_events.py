@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator, Callable
 
+import msgpack
 import pytest
 import zmq.asyncio
 
@@ -156,3 +158,42 @@ async def test_a_stopped_subscriber_takes_its_engines_entries_with_it():
         await until(lambda: p.depth() == 1)
         index = p.index
     assert len(index) == 0
+
+
+async def _endless_replays(router: zmq.asyncio.Socket, batch: bytes, trickle: float) -> None:
+    """Answers every replay request with batches, numbered on, never the end."""
+    while True:
+        client, _, _start = await router.recv_multipart()
+        for seq in itertools.count():
+            await router.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), batch))
+            await asyncio.sleep(trickle)
+
+
+@pytest.mark.parametrize("trickle", [0.0, 0.05], ids=["flood", "trickle"])
+async def test_an_endless_replay_is_left_for_the_live_feed(trickle):
+    """A replay socket that never sends the end (flooding, or a batch just inside each
+    timeout): the subscriber leaves it after its bound, counts a failure and follows the
+    live feed."""
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    replay = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    batch = msgpack.packb([1.0, [stored([7], None, TOKENS[:16], 16, "map")], 0])
+    answering = asyncio.create_task(_endless_replays(router, batch, trickle))
+    pub = KVEventPublisher("tcp://127.0.0.1:0")
+    index = KVIndex(10_000)
+    sub = KVEventSubscriber(context, index, URL, pub.endpoint, replay, replay_timeout=0.1)
+    task = asyncio.get_running_loop().create_task(sub.run())
+    try:
+        await asyncio.wait_for(sub.ready.wait(), 5)  # the bound: 10 timeouts, 1 s
+        assert sub.stats.replay_failures == 1
+        p = Pair(pub, sub, index)
+        await p.joined()
+        p.store([1, 2], None, 0)
+        await until(lambda: p.depth() == 2)
+    finally:
+        answering.cancel()
+        await sub.aclose(task)
+        router.close(0)
+        await pub.aclose()
+        context.term()
