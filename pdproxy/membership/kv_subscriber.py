@@ -157,8 +157,9 @@ class KVEventSubscriber:
         if action is Action.RESTART:
             logger.warning("KV events of %s restarted at %d: rebuilding", self.instance, seq)
             self._index.clear(self.instance)
-        # Awaited inline: the SUB socket queues meanwhile (its HWM is vLLM's), and the
-        # batches the replay covered are then skipped by their number and timestamp.
+        # Awaited inline: the SUB socket queues meanwhile (up to _RECV_HWM; past it a gap,
+        # replayed in turn), and the batches the replay covered are then skipped by their
+        # number and timestamp.
         await self._replay(self.sequence.next or 0)
         await self._take_replayed(seq, ts, events)
 
