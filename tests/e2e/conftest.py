@@ -82,25 +82,40 @@ class SharedPair:
         self._stack = contextlib.ExitStack()
 
 
-@pytest.fixture(scope="session")
-def _tiny_nixl_shared() -> Iterator[SharedPair]:
-    shared = SharedPair(connector="nixl", extra_args=SHARED_FLAGS)
+_SHARED = pytest.StashKey[list[SharedPair]]()
+
+
+def _shared(config: pytest.Config, **options: Any) -> Iterator[SharedPair]:
+    shared = SharedPair(**options)
+    config.stash.setdefault(_SHARED, []).append(shared)
     yield shared
     shared.close()
 
 
-@pytest.fixture(scope="session")
-def _smollm2_nixl_shared() -> Iterator[SharedPair]:
-    shared = SharedPair(connector="nixl", model=SMOLLM2, extra_args=SHARED_FLAGS + LORA_FLAGS)
-    yield shared
-    shared.close()
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The session's pairs stop once no real-engine test follows (one that comes later
+    starts them again): left running through the rest of the session, six idle engines
+    held memory and CPU under the fast tiers' timing tests."""
+    if nextitem is None or nextitem.get_closest_marker("real_engine") is None:
+        for shared in item.config.stash.get(_SHARED, []):
+            shared.close()
 
 
 @pytest.fixture(scope="session")
-def _smollm2_tools_shared() -> Iterator[SharedPair]:
-    shared = SharedPair(connector="nixl", model=SMOLLM2, extra_args=SHARED_FLAGS + TOOL_FLAGS)
-    yield shared
-    shared.close()
+def _tiny_nixl_shared(request: pytest.FixtureRequest) -> Iterator[SharedPair]:
+    yield from _shared(request.config, connector="nixl", extra_args=SHARED_FLAGS)
+
+
+@pytest.fixture(scope="session")
+def _smollm2_nixl_shared(request: pytest.FixtureRequest) -> Iterator[SharedPair]:
+    flags = SHARED_FLAGS + LORA_FLAGS
+    yield from _shared(request.config, connector="nixl", model=SMOLLM2, extra_args=flags)
+
+
+@pytest.fixture(scope="session")
+def _smollm2_tools_shared(request: pytest.FixtureRequest) -> Iterator[SharedPair]:
+    flags = SHARED_FLAGS + TOOL_FLAGS
+    yield from _shared(request.config, connector="nixl", model=SMOLLM2, extra_args=flags)
 
 
 @pytest.fixture
