@@ -208,9 +208,9 @@ async def test_a_killed_decode_s_streams_complete_on_the_other(
     assert len(want_ids) > CUT_AFTER + 5  # a long answer: the cut falls inside it
 
     async with _proxies(pair, doomed_decode) as (text, rendered):
-        # the same three requests once, whole, on the doomed decode: a fresh prefill's first
-        # prefills of each shape took up to 33 s in one CI run, so the streams began that far
-        # apart and the first ended before the last began; warm, they begin together
+        # the same three requests once, whole, on the doomed decode, so the streams' first
+        # transfers and first shapes are not their first (CI once saw them begin 33 s apart,
+        # with the decode then on the prefill's core, and the first end before the cut)
         warm = await asyncio.gather(
             post(text.url, GENERATE, _generate(pair, ids, False), 300),
             post(text.url, CHAT, _chat(pair, False), 300),
