@@ -94,6 +94,21 @@ async def open_loop(
     return list(await asyncio.gather(*tasks))
 
 
+async def serial(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    plan: Sequence[Timed],
+    direct: Sequence[str] = (),
+) -> list[Answer]:
+    """Each request of ``plan`` in its order, the next once the last answered: a quiet
+    fleet, where nothing queues and only the policy decides where a prompt goes."""
+    answers = []
+    for req in plan:
+        url = base_url if req.target is None else direct[req.target]
+        answers.append(await send(session, url, req))
+    return answers
+
+
 async def converse(
     session: aiohttp.ClientSession, base_url: str, chat: ChatSession, max_tokens: int
 ) -> list[Answer]:

@@ -40,7 +40,7 @@ import orjson
 from bench import anchor as anchors
 from bench.fleet import metric_sum, run_with_logdir, stop_on_sigterm
 from bench.procs import process, wait_healthy
-from bench.sched_drive import client_session, metrics_pages, open_loop
+from bench.sched_drive import client_session, metrics_pages, open_loop, serial
 from bench.sched_fleet import Shape, SimFleet, proxy, sim_fleet
 from bench.sched_workloads import TENANTS_QUICK, Tenants, multi_tenant
 from bench.tenant_figures import (
@@ -59,6 +59,7 @@ from bench.tenant_figures import (
 from engines.ports import free_ports
 
 ROUTER = "vllm-router cache_aware"
+SERVED = "vllm:request_success_total"
 US_PER_TOKEN = 1000.0  # prefill cost per uncached token: a 576-token miss takes 0.58 s
 
 
@@ -136,19 +137,29 @@ async def decode_counters(fleet: SimFleet) -> tuple[float, float]:
     )
 
 
+async def prefill_requests(fleet: SimFleet) -> list[float]:
+    """The requests each prefill has served so far."""
+    async with client_session() as session:
+        pages = await metrics_pages(session, [s.url for s in fleet.prefills])
+    return [metric_sum(p, SERVED) or 0.0 for p in pages]
+
+
 async def measure(
     fleet: SimFleet, col: Column, t: Tenants, logdir: str, index: int, anchor: anchors.Anchor | None
 ) -> TenantResult:
     plan = multi_tenant(t, salt=f"tenants{index}")
     direct = [s.url for s in fleet.prefills]
+    drive = serial if t.serial else open_loop
     async with router(fleet, col, logdir, index, anchor) as url:
-        before = await decode_counters(fleet)
+        before, served = await decode_counters(fleet), await prefill_requests(fleet)
         async with client_session() as session:
             started = time.perf_counter()
-            answers = await open_loop(session, url, plan, direct)
+            answers = await drive(session, url, plan, direct)
             seconds = time.perf_counter() - started
         after = await decode_counters(fleet)
-    return summarize(col.name, answers, seconds, decode_blocks(before, after), os.getloadavg()[0])
+        legs = [b - a for a, b in zip(served, await prefill_requests(fleet), strict=True)]
+    blocks = decode_blocks(before, after)
+    return summarize(col.name, answers, seconds, blocks, os.getloadavg()[0], prefill_legs=legs)
 
 
 @dataclass(frozen=True)
@@ -187,6 +198,7 @@ def progress(i: int, n: int, r: TenantResult) -> str:
         f" p90 {r.ttft_p90_ms:6.0f} ms  {r.output_tps:5.0f} tok/s  KV to D"
         f" {r.kv_blocks_loaded:6.0f} blocks  errors {r.errors + r.direct_errors}"
         f"  load {r.load_avg:.1f}  ({r.seconds:.1f} s)"
+        f"  prefill legs {[round(n) for n in r.prefill_legs]}"
     )
 
 
@@ -220,6 +232,7 @@ def report(
     out = Path(args.out_dir)
     stem = "sched-tenants-quick" if args.quick else "sched-tenants"
     stem += f"-rate{t.rate:g}" if args.rate else ""
+    stem += "-serial" if args.serial else ""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(text + "\n")
     data = {
@@ -241,6 +254,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--columns", nargs="+", choices=NAMES, help="Default: all.")
     p.add_argument("--no-anchor", action="store_true", help="Leave vllm-router out.")
     p.add_argument("--rate", type=float, help="Requests/s, the other client's included.")
+    p.add_argument(
+        "--serial",
+        action="store_true",
+        help="One request at a time (a quiet fleet), no other client: the policy alone.",
+    )
     p.add_argument("--out-dir", default="bench/results", help="Where the table and JSON go.")
     p.add_argument("--logdir", default=None, help="Keep process logs here (default: temporary).")
     return p.parse_args(argv)
@@ -251,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     t = TENANTS_QUICK if args.quick else Tenants()
     t = dataclasses.replace(t, rate=args.rate) if args.rate else t
+    t = dataclasses.replace(t, serial=True, direct_share=0.0) if args.serial else t
     notes: list[str] = []
     o = Options(t, tuple(args.columns or NAMES), get_anchor(args, notes), "")
 

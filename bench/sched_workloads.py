@@ -191,6 +191,9 @@ class Tenants:
     cache_tenants: int = 5  # every engine's prefix cache holds this many whole prompts
     block: int = 16  # the sims' block size
     max_tokens: int = 16
+    # one request at a time in the plan's order (a quiet fleet: nothing queues, only the
+    # policy decides), instead of at the plan's times
+    serial: bool = False
 
     @property
     def prompt_tokens(self) -> int:

@@ -97,6 +97,7 @@ class TenantResult:
     decode_held_share: float  # of the prompt blocks the decodes needed, those they held
     load_avg: float  # the machine's 1-minute load average at the end of the run
     note: str = ""
+    prefill_legs: tuple[float, ...] = ()  # requests each prefill served in the run
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +115,7 @@ def summarize(
     blocks: tuple[float, float],
     load_avg: float,
     note: str = "",
+    prefill_legs: Sequence[float] = (),
 ) -> TenantResult:
     mine = [a for a in answers if a.kind != "direct"]
     ok = [a for a in mine if a.ok]
@@ -134,6 +136,7 @@ def summarize(
         decode_held_share=held / (held + loaded) if held + loaded > 0 else math.nan,
         load_avg=load_avg,
         note=note,
+        prefill_legs=tuple(prefill_legs),
     )
 
 

@@ -41,6 +41,7 @@ from pdproxy.proxying.retries import Retries, RetryRun
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget, retry_reason
 from pdproxy.scheduling.scheduler import NO_PREFILL, Scheduler
+from pdproxy.scheduling.speed import computed_tokens
 from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
 from pdproxy.wire.shaping import client_request_id
 
@@ -194,10 +195,8 @@ class Orchestrator:
                     started = time.perf_counter()
                     size = self._prefill_size(run, transfer.decision)
                     answer = await self._legs.prefill(request, transfer, size)
-                    self._scheduler.speeds.observe(
-                        transfer.decision.prefill,
-                        time.perf_counter() - started,
-                        run.features.tokens,
+                    self._observe_prefill(
+                        transfer.decision, time.perf_counter() - started, answer, run
                     )
                 run.unreserve()
                 decoding = True
@@ -225,6 +224,15 @@ class Orchestrator:
                 if answer is not None:  # the client left during a backoff
                     self._release.orphaned(request, transfer, answer, failed=None)
                 raise
+
+    def _observe_prefill(
+        self, decision: PairDecision, seconds: float, answer: dict[str, Any], run: _Run
+    ) -> None:
+        """The prefill's speed, per token it computed (its prompt less its hit): a leg
+        that hit the cache did less work, not faster work (``scheduling.speed``)."""
+        tokens = run.features.tokens
+        computed = computed_tokens(tokens, answer, decision.prefill_cached)
+        self._scheduler.speeds.observe(decision.prefill, seconds, tokens, computed)
 
     def _prefill_size(self, run: _Run, decision: PairDecision) -> LegSize:
         """How the prefill leg counts while it runs: its weight in typical requests, and

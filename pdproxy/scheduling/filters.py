@@ -44,7 +44,11 @@ class OverloadFilter:
     """Drops instances far busier than the least busy one: more than ``abs_threshold``
     requests above it *and* more than ``rel_threshold`` times it (SMG's
     ``balance_abs_threshold`` / ``balance_rel_threshold``). Cache affinity then chooses
-    only among instances that can take the work."""
+    only among instances that can take the work.
+
+    An idle instance (no legs of this proxy's, none of others' in its fresh scrape) is
+    never dropped: its load is only its measured slowness, and a prefill dropped for a
+    past slowness on a quiet fleet would never get the leg that measures it again."""
 
     abs_threshold: float
     rel_threshold: float
@@ -58,7 +62,15 @@ class OverloadFilter:
         limit = max(floor + self.abs_threshold, floor * self.rel_threshold)
         if max(loads) <= limit:
             return endpoints
-        kept = [i for i, load in enumerate(loads) if load <= limit]
+        now = ctx.now
+        kept = [i for i, load in enumerate(loads) if load <= limit or _idle(endpoints[i], now)]
+        if len(kept) == len(endpoints):
+            return endpoints
         survivors = [endpoints[i] for i in kept]
         ctx.remember_loads(survivors, [loads[i] for i in kept])  # the next plugins need them
         return survivors
+
+
+def _idle(endpoint: EndpointView, now: float) -> bool:
+    figures = endpoint.load
+    return endpoint.legs.work <= 0.0 and (figures.others <= 0.0 or figures.others_until < now)

@@ -1,34 +1,121 @@
 """How fast each prefill is, and how big a prompt is, from the proxy's own measurements.
 
-Every successful prefill leg gives its seconds per estimated prompt token. An instance
-keeps an exponentially weighted mean of them; its role keeps one over all its instances
-(the typical speed). ``Endpoint.slowness`` is the instance's mean over the typical one:
-1.0 until it was measured, 4.0 for a prefill four times slower than its peers. Loads are
-weighted by it (``Context.loads``), so an idle slow instance looks as busy as a fast one
-with a few requests queued, and gets work only when that is the faster way.
+Every successful prefill leg gives its seconds and the prompt tokens the prefill actually
+**computed** (its prompt less what it found cached, as the prefill reports it:
+``computed_tokens``). A leg that hit the cache did less work, not faster work, and a short
+prompt costs a fixed part (scheduling, the HTTP round trip) that its few tokens must not
+be charged for. So each role keeps one exponentially weighted least-squares fit of its
+legs, ``seconds = fixed + per_token * computed``, over all its instances, each leg's
+seconds divided by its instance's slowness (the typical speed, which one slow instance's
+legs do not tilt), and an instance's ``slowness`` is its legs' exponentially weighted mean of
+``seconds / expected(computed)``: 1.0 until it was measured, 1.0 for an instance as fast
+as its peers whatever the mix of its prompts and hits, 4.0 for one four times slower.
+Loads are weighted by it (``Context.loads``), so an idle slow instance looks as busy as a
+fast one with a few requests queued, and gets work only when that is the faster way; the
+overload filter never drops an idle instance for its slowness alone (``OverloadFilter``),
+so one that looked slow once is measured again.
 
 A prefill leg counts as load by its size (``weight``): its estimated prompt over the
 typical one, so a prefill busy with two long prompts is not mistaken for one with two
 short ones.
 
-A slow instance that gets less traffic is measured less often; it is measured again as
-soon as its peers are busy enough to send it work, and a restarted instance (a new
-registry entry) starts at 1.0.
+A restarted instance (a new registry entry) starts at 1.0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 from pdproxy.types import Endpoint, Role
 
-_ALPHA = 0.2  # weight of the newest measurement
-_MIN_TOKENS = 16.0  # tiny prompts are dominated by fixed costs: count them as this many
+_ALPHA = 0.2  # weight of an instance's newest measurement
+_FIT_ALPHA = 0.05  # weight of a role's newest leg in its fit (it sees every instance's)
+_MIN_TOKENS = 16.0  # prompt sizes for ``weight``: tiny prompts count as this many
 _MIN_WEIGHT, _MAX_WEIGHT = 0.1, 32.0
+_MIN_SLOWNESS, _MAX_SLOWNESS = 0.1, 16.0  # one odd leg cannot blind the scheduler
+_MIN_SPREAD = 1.0  # tokens²: below this variance of sizes, no per-token slope is fitted
+
+
+def computed_tokens(
+    estimated: float, answer: Mapping[str, Any], predicted_hit: float | None = None
+) -> float:
+    """The prompt tokens a prefill computed for ``answer``: its prompt (the answer's
+    ``usage.prompt_tokens``, else ``estimated``) less what it found cached (vLLM's
+    ``kv_transfer_params.remote_prefill_cached_tokens``, else the OpenAI
+    ``usage.prompt_tokens_details.cached_tokens``, else the KV index's ``predicted_hit``).
+    Anything odd in the answer counts as absent: a hostile prefill cannot make this
+    negative or larger than its prompt."""
+    usage = answer.get("usage")
+    prompt: float | None = None
+    hit: float | None = None
+    if isinstance(usage, dict):
+        prompt = _tokens(usage.get("prompt_tokens"))
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            hit = _tokens(details.get("cached_tokens"))
+    params = answer.get("kv_transfer_params")
+    if isinstance(params, dict):
+        reported = _tokens(params.get("remote_prefill_cached_tokens"))
+        hit = hit if reported is None else reported
+    if prompt is None:
+        prompt = estimated
+    if hit is None:
+        hit = max(predicted_hit or 0.0, 0.0)
+    return max(prompt - min(hit, prompt), 0.0)
+
+
+def _tokens(value: object) -> float | None:
+    """A token count from a peer's JSON, or None when it is not a plausible one."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40:
+        return float(value)
+    return None
+
+
+@dataclass(slots=True)
+class _Fit:
+    """Exponentially weighted least squares of seconds against computed tokens."""
+
+    n: float = 0.0  # sum of weights
+    x: float = 0.0  # weighted means
+    y: float = 0.0
+    xx: float = 0.0  # weighted second moments about the means
+    xy: float = 0.0
+
+    def add(self, tokens: float, seconds: float, alpha: float) -> None:
+        if self.n == 0.0:
+            self.n, self.x, self.y = 1.0, tokens, seconds
+            return
+        dx, dy = tokens - self.x, seconds - self.y
+        self.x += alpha * dx
+        self.y += alpha * dy
+        self.xx = (1.0 - alpha) * (self.xx + alpha * dx * dx)
+        self.xy = (1.0 - alpha) * (self.xy + alpha * dx * dy)
+        self.n += 1.0
+
+    def expected(self, tokens: float) -> float:
+        """Seconds a typical instance takes to compute ``tokens``; 0.0 before any leg."""
+        if self.n == 0.0:
+            return 0.0
+        if self.xx < _MIN_SPREAD:
+            return self.y  # one size seen so far: its mean time
+        slope = max(self.xy / self.xx, 0.0)
+        fixed = max(self.y - slope * self.x, 0.0)
+        return fixed + slope * tokens
+
+    def per_token(self) -> float:
+        if self.n == 0.0:
+            return 0.0
+        if self.xx < _MIN_SPREAD:
+            return self.y / max(self.x, 1.0)
+        return max(self.xy / self.xx, 0.0)
 
 
 class SpeedTracker:
     def __init__(self, alpha: float = _ALPHA) -> None:
         self._alpha = alpha
-        self._typical: dict[Role, float] = {}
+        self._fits: dict[Role, _Fit] = {}
         self._typical_tokens = 0.0  # the prefills' typical prompt, in estimated tokens
 
     def weight(self, tokens: float) -> float:
@@ -39,23 +126,31 @@ class SpeedTracker:
             return 1.0
         return min(_MAX_WEIGHT, max(_MIN_WEIGHT, max(tokens, _MIN_TOKENS) / typical))
 
-    def observe(self, endpoint: Endpoint, seconds: float, tokens: float) -> None:
-        """A leg of ``endpoint`` served ``tokens`` prompt tokens in ``seconds``."""
-        per_token = max(seconds, 0.0) / max(tokens, _MIN_TOKENS)
+    def observe(self, endpoint: Endpoint, seconds: float, prompt: float, computed: float) -> None:
+        """A leg of ``endpoint`` took ``seconds`` for a ``prompt`` of which it computed
+        ``computed`` tokens (``computed_tokens``)."""
+        seconds = max(seconds, 0.0)
+        computed = max(computed, 0.0)
         alpha = self._alpha
-        size, typical_size = max(tokens, _MIN_TOKENS), self._typical_tokens
+        size, typical_size = max(prompt, _MIN_TOKENS), self._typical_tokens
         self._typical_tokens = (
             size if typical_size <= 0 else typical_size + alpha * (size - typical_size)
         )
-        mine = endpoint.speed.seconds_per_token
-        endpoint.speed.seconds_per_token = (
-            per_token if mine <= 0 else mine + alpha * (per_token - mine)
-        )
-        typical = self._typical.get(endpoint.role, 0.0)
-        typical = per_token if typical <= 0 else typical + alpha * (per_token - typical)
-        self._typical[endpoint.role] = typical
-        if typical > 0:
-            endpoint.speed.slowness = endpoint.speed.seconds_per_token / typical
+        fit = self._fits.setdefault(endpoint.role, _Fit())
+        speed = endpoint.speed
+        expected = fit.expected(computed)  # before this leg joins the fit it is judged by
+        # The fit is of a typical instance: each leg joins it at its instance's speed, so
+        # a slow instance's legs (often of other sizes) do not tilt it.
+        fit.add(computed, seconds / speed.slowness, _FIT_ALPHA)
+        mine = speed.seconds_per_token
+        per_token = seconds / max(computed, 1.0)
+        speed.seconds_per_token = per_token if mine <= 0 else mine + alpha * (per_token - mine)
+        if expected <= 0.0:
+            return  # the role's first leg: nothing to compare it with yet
+        ratio = min(max(seconds / expected, _MIN_SLOWNESS), _MAX_SLOWNESS)
+        speed.slowness += alpha * (ratio - speed.slowness)
 
     def typical(self, role: Role) -> float:
-        return self._typical.get(role, 0.0)
+        """The role's fitted seconds per computed token (0.0 before any leg)."""
+        fit = self._fits.get(role)
+        return 0.0 if fit is None else fit.per_token()

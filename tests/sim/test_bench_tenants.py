@@ -109,3 +109,28 @@ async def test_a_tiny_run_through_kv_events_on_sims(tmp_path: Path):
     assert r.requests > 10 and r.errors == 0 and r.direct_errors == 0
     assert 0 < r.hit_rate < 1  # the usage's cached tokens came through PD
     assert r.kv_blocks_loaded > 0 and r.decode_held_share > 0  # decodes hold tenants too
+
+
+async def test_a_quiet_fleet_keeps_every_prefill_and_the_oracles_hit_rate(tmp_path: Path):
+    # Issue 31: one request at a time on four prefills publishing KV events, the speed
+    # per whole-prompt token starved a prefill (slowness stuck above the overload
+    # filter's limit: 3 of 453 legs) and cost a fifth of the oracle's hit rate.
+    t = Tenants(
+        tenants=8,
+        prefix_tokens=128,
+        suffix_tokens=32,
+        rate=40.0,
+        seconds=2.5,
+        cache_tenants=2,
+        direct_share=0.0,
+        serial=True,
+        max_tokens=2,
+    )
+    results, notes = await main_async(Options(t, (KV_EVENTS,), None, str(tmp_path)))
+    assert notes == []
+    r = results[0]
+    assert r.errors == 0 and r.requests > 80
+    oracle = oracle_hit_rate(t, multi_tenant(t, salt="oracle"))
+    assert r.hit_rate >= 0.95 * oracle, (r.hit_rate, oracle, r.prefill_legs)
+    assert len(r.prefill_legs) == 4
+    assert min(r.prefill_legs) >= 0.1 * r.requests / 4, r.prefill_legs  # none starved
