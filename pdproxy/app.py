@@ -4,7 +4,9 @@ what runs beside the requests (``Services``) and the ASGI app (``pdproxy.api.app
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -15,10 +17,12 @@ from prometheus_client import CollectorRegistry
 
 from pdproxy.api.app import asgi_app
 from pdproxy.api.dashboard import Dashboard
+from pdproxy.api.flow import reload_tenants
 from pdproxy.api.state import AppState
 from pdproxy.build import build_state
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.workers import WorkerSpec
+from pdproxy.errors import ConfigError
 from pdproxy.membership.discovery.shared import require_etcd
 from pdproxy.membership.discovery.zmq import ZmqRegistry
 from pdproxy.membership.workers.link import OwnerLink
@@ -67,15 +71,35 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await services.start()
+        hup = _reload_on_sighup(state)
         try:
             yield
         finally:
+            if hup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             await services.aclose()
 
     app = asgi_app(state, lifespan, dashboard)
     app.state.zmq_registry = registry
     app.state.services = services  # the --workers owner runs their membership part alone
     return app
+
+
+def _reload_on_sighup(state: AppState) -> bool:
+    """SIGHUP reloads the tenants file (``--tenants``); True when the handler is set (not
+    where the loop cannot take signals: a thread, Windows)."""
+    if state.admission is None or state.admission.tenants.path is None:
+        return False
+
+    def reload() -> None:
+        with contextlib.suppress(ConfigError):  # logged; the old file stays
+            reload_tenants(state)
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    return True
 
 
 def _follow_owner(state: AppState, worker: WorkerSpec) -> None:

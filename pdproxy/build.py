@@ -287,7 +287,7 @@ def _app_state(
         health,
         core.outliers,
         release,
-        keys=ClientKeys(config.api_keys),
+        keys=ClientKeys(config.api_keys, config.key_tenants),
         lifecycle=Lifecycle(core.registry, lambda: state.in_flight),
         loads=LoadScraper(
             config.health,
@@ -302,7 +302,11 @@ def _app_state(
         lora=core.lora,
         passthrough=passthrough,
         clock=clock,
-        admission=(Admission(config.admission, core.metrics) if config.admission.enabled else None),
+        admission=(
+            Admission(config.admission, core.metrics, config.tenants.divided(config.workers), clock)
+            if config.admission.enabled or config.tenants.enabled
+            else None
+        ),
         engine_authorization=_bearer(config.engine_api_key),
     )
     core.metrics.track_in_flight(lambda: state.in_flight)

@@ -94,9 +94,26 @@ class Overloaded(ProxyError):
     status = 429
     error_type = "RateLimitError"
 
-    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: int = 1,
+        headers: tuple[tuple[str, str], ...] = (),
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.headers = headers  # more response headers (a tenant's ``x-ratelimit-*``)
+        self.code = code  # OpenAI's error code, e.g. "rate_limit_exceeded"
+
+    def to_dict(self) -> dict[str, object]:
+        body = super().to_dict()
+        if self.code is not None:
+            error = body["error"]
+            assert isinstance(error, dict)
+            error["code"] = self.code
+        return body
 
 
 class LoopDetected(ProxyError):

@@ -182,6 +182,13 @@ def _add_timing_flags(p: argparse.ArgumentParser, d: SimConfig) -> None:
         help="Requests running at once; the rest wait in a FIFO queue.",
     )
     add(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=d.scheduling_policy,
+        help="As vLLM's: waiting requests first come first served, or by the body's priority"
+        " (lower first), then arrival.",
+    )
+    add(
         "--prefill-concurrency",
         type=int,
         default=d.prefill_concurrency,
@@ -279,6 +286,7 @@ _PLAIN_FIELDS = (
     "prefill_us_per_token",
     "decode_tps",
     "max_running",
+    "scheduling_policy",
     "prefill_concurrency",
     "keep_alive_s",
     "record_limit",

@@ -107,6 +107,9 @@ class SimConfig:
     prefill_us_per_token: float = 0.0
     decode_tps: float = 0.0
     max_running: int = 256
+    # vLLM's --scheduling-policy: "fcfs", or "priority" (waiting requests by the body's
+    # priority, then arrival)
+    scheduling_policy: str = "fcfs"
     prefill_concurrency: int = 0  # prefill compute lanes per DP rank (FIFO); 0 = unlimited
     prefix_cache_blocks: int = 8192  # capacity of the prefix cache, in blocks
     # vLLM's --kv-events-config: a PUB (and ROUTER replay) socket bound here; "map" events
@@ -134,6 +137,8 @@ class SimConfig:
             raise ValueError("block_size, num_blocks and dp_size must be >= 1")
         if self.max_running < 1:
             raise ValueError("max_running must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be fcfs or priority")
         if self.prefill_concurrency < 0:
             raise ValueError("prefill_concurrency must be >= 0 (0 = unlimited)")
         if self.tp_size < 1:

@@ -39,7 +39,12 @@ class Engine:
         self.counters = Counters()
         self.pool = BlockPool(config.num_blocks)
         self.prefix = PrefixCache(config.prefix_cache_blocks, config.block_size)
-        self.ranks = make_ranks(config.dp_size, config.max_running, config.prefill_concurrency)
+        self.ranks = make_ranks(
+            config.dp_size,
+            config.max_running,
+            config.prefill_concurrency,
+            config.scheduling_policy == "priority",
+        )
         self.connector: Connector = create(ConnectorDeps(config, self.counters, self.pool))
         self.dead: str | None = None  # why the engine core died; it then serves nothing
 

@@ -145,7 +145,7 @@ async def serve_async(job: Job) -> None:
     """The slow path: wait for a slot, pull KV, pay prefill and decode time."""
     rank = job.engine.rank_of(job.req)
     try:
-        await rank.scheduler.acquire()
+        await rank.scheduler.acquire(job.req.priority)
     except asyncio.CancelledError:
         _on_cancel(job)
         return

@@ -66,6 +66,14 @@ class GenRequest:
         return n if n > 1 else 1
 
     @property
+    def priority(self) -> int:
+        """vLLM's ``priority`` (lower is served sooner under its priority policy)."""
+        value = self.body.get("priority")
+        if type(value) is not int:
+            value = _lax(_INT, value, 0)
+        return value
+
+    @property
     def echoed(self) -> str:
         """The prompt a completion with ``echo`` puts before each choice's text."""
         prompt = self.body.get("prompt")

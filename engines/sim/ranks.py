@@ -39,11 +39,14 @@ class Rank:
             self.lanes.release()
 
 
-def make_ranks(dp_size: int, max_running: int, prefill_concurrency: int) -> list[Rank]:
-    """`prefill_concurrency` 0 means unlimited lanes (every request computes at once)."""
+def make_ranks(
+    dp_size: int, max_running: int, prefill_concurrency: int, by_priority: bool = False
+) -> list[Rank]:
+    """`prefill_concurrency` 0 means unlimited lanes (every request computes at once);
+    `by_priority`: waiting requests by (priority, arrival), vLLM's priority policy."""
     return [
         Rank(
-            Scheduler(max_running),
+            Scheduler(max_running, by_priority),
             Scheduler(prefill_concurrency) if prefill_concurrency > 0 else None,
         )
         for _ in range(dp_size)

@@ -174,7 +174,7 @@ async def serve(job: Job, call: Call, store: ResponseStore) -> None:
     """Wait for a slot, prefill, generate; then answer whole or as events."""
     rank = job.engine.rank_of(job.req)
     try:
-        await rank.scheduler.acquire()
+        await rank.scheduler.acquire(job.req.priority)
     except asyncio.CancelledError:
         _on_cancel(job)
         return

@@ -1,20 +1,25 @@
-"""Admission: at most max_running requests run; the rest wait in FIFO order."""
+"""Admission: at most max_running requests run; the rest wait, first come first served,
+or under ``--scheduling-policy priority`` (vLLM's) by (priority, arrival): a lower
+``priority`` first, as vLLM's priority scheduler orders its waiting queue."""
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import heapq
+import itertools
 
 
 class Scheduler:
-    def __init__(self, max_running: int) -> None:
+    def __init__(self, max_running: int, by_priority: bool = False) -> None:
         self.max_running = max_running
+        self.by_priority = by_priority
         self.running = 0
-        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
+        self._seq = itertools.count()
 
     @property
     def waiting(self) -> int:
-        return sum(1 for f in self._waiting if not f.done())
+        return sum(1 for _, _, f in self._waiting if not f.done())
 
     def try_acquire(self) -> bool:
         """Take a slot at once if one is free and nobody waits."""
@@ -23,11 +28,12 @@ class Scheduler:
             return True
         return False
 
-    async def acquire(self) -> None:
+    async def acquire(self, priority: int = 0) -> None:
         if self.try_acquire():
             return
         fut = asyncio.get_running_loop().create_future()
-        self._waiting.append(fut)
+        entry = (priority if self.by_priority else 0, next(self._seq), fut)
+        heapq.heappush(self._waiting, entry)
         try:
             await fut
         except asyncio.CancelledError:
@@ -35,12 +41,13 @@ class Scheduler:
                 self.release()  # the slot was handed over just as we were cancelled
             raise
         finally:
-            if fut in self._waiting:
-                self._waiting.remove(fut)
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
 
     def release(self) -> None:
         while self._waiting:
-            fut = self._waiting.popleft()
+            _, _, fut = heapq.heappop(self._waiting)
             if not fut.done():
                 fut.set_result(None)  # hand the slot over; running stays the same
                 return

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pdproxy.api.errors import json_response
+from pdproxy.api.flow import reload_tenants
 from pdproxy.api.info import describe
 from pdproxy.api.state import AppState
 from pdproxy.config.addresses import format_url, kv_address_problem, parse_host_port
@@ -210,3 +211,20 @@ def _events(body: dict[str, Any], name: str) -> str | None:
         return events_endpoint(body.get(name), f"'{name}'")
     except ConfigError as exc:
         raise AdminError(400, str(exc)) from exc
+
+
+tenants_router = APIRouter(prefix="/tenants")
+
+
+@tenants_router.post("/reload")
+async def reload_tenants_file(request: Request) -> Response:
+    """Read the ``--tenants`` file again; queued requests keep their place. 409 without
+    one, 400 (and the old file kept) for a bad one."""
+    state = _authorize(request)
+    if state.admission is None or state.admission.tenants.path is None:
+        raise AdminError(409, "pdproxy was started without --tenants: nothing to reload")
+    try:
+        message = reload_tenants(state)
+    except ConfigError as exc:
+        raise AdminError(400, f"the tenants file was not reloaded: {exc}") from None
+    return json_response({"status": "reloaded", "message": message})

@@ -12,6 +12,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdproxy.api.admin import router as admin_router
+from pdproxy.api.admin import tenants_router
 from pdproxy.api.dashboard import Dashboard
 from pdproxy.api.errors import error_response
 from pdproxy.api.info import router as info_router
@@ -59,6 +60,7 @@ def _mount(
     app.include_router(info_router)
     app.include_router(lora_router)
     app.include_router(admin_router)
+    app.include_router(tenants_router)
     if dashboard is not None:
         dashboard.mount(app)
     app.add_exception_handler(ProxyError, _proxy_error)

@@ -13,8 +13,10 @@ _BEARER = "bearer "
 
 
 class ClientKeys:
-    def __init__(self, keys: tuple[str, ...]) -> None:
+    def __init__(self, keys: tuple[str, ...], tenants: tuple[tuple[str, str], ...] = ()) -> None:
         self._keys = [key.encode("utf-8") for key in keys]
+        named = dict(tenants)
+        self._tenants = [named.get(key) for key in keys]  # each key's tenant, or None
 
     @property
     def enabled(self) -> bool:
@@ -29,3 +31,16 @@ class ClientKeys:
         for key in self._keys:
             matched |= hmac.compare_digest(given, key)
         return scheme_ok and matched
+
+    def tenant_of(self, authorization: str | None) -> str | None:
+        """The tenant the matching key's line names (``KEY tenant=NAME``), or None; every
+        key is compared, as in ``allows``."""
+        value = authorization or ""
+        if value[: len(_BEARER)].lower() != _BEARER:
+            return None
+        given = value[len(_BEARER) :].strip().encode("utf-8", "replace")
+        found = None
+        for key, tenant in zip(self._keys, self._tenants, strict=True):
+            if hmac.compare_digest(given, key):
+                found = tenant
+        return found

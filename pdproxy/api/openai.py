@@ -9,6 +9,7 @@ both upstream legs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -21,6 +22,7 @@ from starlette.types import Message, Receive, Scope, Send
 from pdproxy.api.access import RequestFinisher
 from pdproxy.api.direct import direct_writer, send_together, when_lost
 from pdproxy.api.errors import JSON, error_body, internal_error
+from pdproxy.api.flow import ticket_for
 from pdproxy.api.state import AppState
 from pdproxy.errors import (
     BadRequest,
@@ -32,6 +34,7 @@ from pdproxy.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+from pdproxy.flow.ticket import DEFAULT_TICKET, Ticket
 from pdproxy.observability.request_context import RequestTrace, bind, unbind
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.lifecycle import Lifecycle
@@ -52,6 +55,7 @@ _REQUIRED = {ApiKind.COMPLETIONS: PROMPT, ApiKind.CHAT: MESSAGES, ApiKind.GENERA
 
 
 Answer = Callable[[], Awaitable[ProxyResponse]]
+Work = tuple[Answer, Ticket]  # what produces the response, and who the request is
 
 
 class ServedEndpoint:
@@ -67,8 +71,8 @@ class ServedEndpoint:
         self.hop = Hop.of(state.config.hop_id)
         self._finish = RequestFinisher(state.metrics, access_log=state.config.access_log)
 
-    async def answer(self, headers: dict[str, str], receive: Receive) -> Answer:
-        """Read the request; return what produces its response."""
+    async def answer(self, headers: dict[str, str], receive: Receive) -> Work:
+        """Read the request; return what produces its response, and its ticket."""
         raise NotImplementedError
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -83,8 +87,8 @@ class ServedEndpoint:
             if via is not None and self.hop.returned(via):
                 raise LoopDetected("the request came back to this pdproxy: a routing loop")
             _admit(state, headers)
-            answer = await self.answer(headers, receive)
-            trace.outcome = await _serve(state, answer, receive, send, trace)
+            answer, ticket = await self.answer(headers, receive)
+            trace.outcome = await _serve(state, answer, receive, send, trace, ticket)
         except ProxyError as error:
             trace.outcome = _outcome(error)
             await _send_error(send, error, trace)
@@ -116,12 +120,17 @@ class GenerationEndpoint(ServedEndpoint):
         self.kind = kind
         self.path = kind.value
 
-    async def answer(self, headers: dict[str, str], receive: Receive) -> Answer:
-        request = await self._read_request(headers, receive, self._state)
-        render_once = self._state.render_once
+    async def answer(self, headers: dict[str, str], receive: Receive) -> Work:
+        state = self._state
+        request = await self._read_request(headers, receive, state)
+        ticket = ticket_for(state, request.body, headers)
+        if ticket.priority and request.body.get("priority") != ticket.priority:
+            body = {**request.body, "priority": ticket.priority}  # the tenant's, for both legs
+            request = dataclasses.replace(request, body=body)
+        render_once = state.render_once
         if render_once is not None and self.kind is not ApiKind.GENERATE:
-            return functools.partial(render_once.handle, request)
-        return functools.partial(self._state.orchestrator.handle, request)
+            return functools.partial(render_once.handle, request), ticket
+        return functools.partial(state.orchestrator.handle, request), ticket
 
     async def _read_request(
         self, headers: dict[str, str], receive: Receive, state: AppState
@@ -162,6 +171,7 @@ async def _serve(
     receive: Receive,
     send: Send,
     trace: RequestTrace,
+    ticket: Ticket = DEFAULT_TICKET,
 ) -> str:
     """Run the request (``answer`` gets its response), cancelling it if the client goes
     away; returns the outcome label. Shared with the pass-through endpoints."""
@@ -174,7 +184,7 @@ async def _serve(
     admitted = False
     try:
         if state.admission is not None:
-            await state.admission.acquire()  # a client that leaves stops waiting
+            await state.admission.acquire(ticket)  # a client that leaves stops waiting
             admitted = True
         response = await _orchestrate(state, answer, send, trace)
         if response is None:
@@ -202,7 +212,7 @@ async def _serve(
         if watcher is not None:
             watcher.cancel()
         if admitted and state.admission is not None:
-            state.admission.release()
+            state.admission.release(ticket)
 
 
 def _uncancel(task: asyncio.Task[Any] | None) -> None:
@@ -345,7 +355,10 @@ async def _send_whole(
 async def _send_error(send: Send, error: ProxyError, trace: RequestTrace) -> None:
     extra: tuple[tuple[bytes, bytes], ...] = ()
     if isinstance(error, Overloaded):
-        extra = ((b"retry-after", str(error.retry_after).encode("latin-1")),)
+        extra = (
+            (b"retry-after", str(error.retry_after).encode("latin-1")),
+            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in error.headers),
+        )
     await _send_whole(send, trace, *error_body(error), extra)
 
 

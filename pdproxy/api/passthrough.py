@@ -15,9 +15,10 @@ import functools
 import orjson
 from starlette.types import Receive
 
-from pdproxy.api.openai import Answer, ServedEndpoint, legs_via, read_json_body
+from pdproxy.api.openai import ServedEndpoint, Work, legs_via, read_json_body
 from pdproxy.api.state import AppState
 from pdproxy.errors import BadRequest
+from pdproxy.flow.ticket import DEFAULT_TICKET
 from pdproxy.proxying.passthrough import PassthroughRequest
 from pdproxy.wire.routes import PassthroughRoute
 
@@ -30,9 +31,9 @@ class PassthroughEndpoint(ServedEndpoint):
         self.route = route
         self.path = route.path
 
-    async def answer(self, headers: dict[str, str], receive: Receive) -> Answer:
+    async def answer(self, headers: dict[str, str], receive: Receive) -> Work:
         request = await self._read_request(headers, receive)
-        return functools.partial(self._state.passthrough.handle, request)
+        return functools.partial(self._state.passthrough.handle, request), DEFAULT_TICKET
 
     async def _read_request(self, headers: dict[str, str], receive: Receive) -> PassthroughRequest:
         state = self._state

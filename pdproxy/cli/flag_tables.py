@@ -189,9 +189,17 @@ SECURITY_FLAGS = (
     Flag(
         names=("--api-key-file",),
         group=SECURITY,
-        help="File of client keys, one per line.",
+        help="File of client keys, one per line (a line may name its tenant: 'KEY tenant=NAME').",
         field=None,
         default=None,
+    ),
+    Flag(  # no flag of its own: the tenants that --api-key-file's lines name
+        names=(),
+        dest="key_tenants",
+        group=SECURITY,
+        help="Each client key's tenant, from --api-key-file.",
+        field="key_tenants",
+        convert=values.key_tenants,
     ),
     Flag(
         names=("--protect-metrics",),

@@ -103,6 +103,25 @@ LISTENER_FLAGS = (
         type=float,
     ),
     Flag(
+        names=("--tenants",),
+        group=LISTENER,
+        help="Tenants file (JSON or YAML): each tenant's weight, default priority,"
+        " max_concurrent and tokens/requests per minute (docs/flow-control.md); reloaded on"
+        " SIGHUP.",
+        field="tenants",
+        default=None,
+        metavar="FILE",
+        convert=values.tenants,
+    ),
+    Flag(
+        names=("--tenant-header",),
+        group=LISTENER,
+        help="Header naming a request's tenant when client keys do not (e.g. X-Tenant).",
+        field=None,
+        default=None,
+        metavar="NAME",
+    ),
+    Flag(
         names=("--shutdown-timeout-secs",),
         group=LISTENER,
         help="On SIGTERM, how long requests in flight may finish before their streams are ended.",

@@ -16,6 +16,7 @@ from pdproxy.config.scheduling import (
     parse_model_policies,
     parse_tokenizers,
 )
+from pdproxy.config.tenants import TenantsConfig, load_tenants, valid_name
 from pdproxy.errors import ConfigError
 from pdproxy.types import EngineAddress
 
@@ -92,11 +93,43 @@ def _read_secret_file(path: str, flag: str) -> list[str]:
 
 
 def client_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """``--api-key`` and the keys of ``--api-key-file``, each once."""
+    """``--api-key`` and the keys of ``--api-key-file``, each once (a file line may name
+    the key's tenant after it: ``KEY tenant=NAME``)."""
     keys = list(args.api_key or ())
     if args.api_key_file:
-        keys += _read_secret_file(args.api_key_file, "--api-key-file")
+        keys += [key for key, _ in _key_lines(args.api_key_file)]
     return tuple(dict.fromkeys(keys))
+
+
+def key_tenants(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """(key, tenant) of each ``--api-key-file`` line that names its tenant."""
+    if not args.api_key_file:
+        return ()
+    return tuple((key, tenant) for key, tenant in _key_lines(args.api_key_file) if tenant)
+
+
+def _key_lines(path: str) -> list[tuple[str, str | None]]:
+    out: list[tuple[str, str | None]] = []
+    for n, line in enumerate(_read_secret_file(path, "--api-key-file"), 1):
+        key, named, tenant = line.rpartition(" tenant=")
+        if not named:
+            out.append((line, None))
+            continue
+        if not valid_name(tenant) or not key.strip():
+            raise ConfigError(
+                f"--api-key-file line {n}: 'KEY tenant=NAME' needs a key and a tenant name of"
+                " 1-128 printable characters without spaces"
+            )
+        out.append((key.strip(), tenant))
+    return out
+
+
+def tenants(args: argparse.Namespace) -> TenantsConfig:
+    """``--tenants FILE`` and ``--tenant-header NAME``."""
+    header = args.tenant_header.lower() if args.tenant_header else None
+    if args.tenants:
+        return load_tenants(args.tenants, header)
+    return TenantsConfig(header=header)
 
 
 def engine_key(args: argparse.Namespace) -> str | None:

@@ -16,6 +16,7 @@ from pdproxy.config.lora import LoraConfig
 from pdproxy.config.registry import RegistryConfig
 from pdproxy.config.resilience import HealthConfig, OutlierConfig, RetryConfig
 from pdproxy.config.scheduling import SchedulingConfig
+from pdproxy.config.tenants import TenantsConfig
 from pdproxy.config.upstream import EngineTLS, PoolLimits, Timeouts
 from pdproxy.errors import ConfigError
 from pdproxy.types import EngineAddress
@@ -68,6 +69,9 @@ class ProxyConfig:
     admin_api_key: str | None = field(default=None, repr=False)
     admin_allow_cidrs: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # clients' Bearer keys
+    # (key, tenant) of the --api-key-file lines that name a tenant (docs/flow-control.md)
+    key_tenants: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)  # --tenants, --tenant-header
     protect_metrics: bool = False  # /metrics and /dashboard/data need a client key too
     dashboard: bool = True  # GET /dashboard and /dashboard/data (--no-dashboard: off)
     engine_api_key: str | None = field(default=None, repr=False)  # pdproxy's key to engines

@@ -117,6 +117,8 @@ class _Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._signalled, sig)
+        # SIGHUP reloads the tenants file in every worker (each holds its own admission)
+        loop.add_signal_handler(signal.SIGHUP, self._send, signal.SIGHUP)
         from pdproxy.runtime.owner import MembershipOwner  # after PROMETHEUS_MULTIPROC_DIR
 
         owner = MembershipOwner(self._config, self._run_dir)

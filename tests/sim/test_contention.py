@@ -83,3 +83,36 @@ async def test_one_rank_reports_engine_zero_only(session):
         text = sim.metrics_text()
     assert _series("vllm:num_requests_running", 0) in text
     assert 'engine="1"' not in text
+
+
+async def _finish_order(session: aiohttp.ClientSession, policy: str) -> list[str]:
+    config = SimConfig(max_running=1, decode_tps=50, scheduling_policy=policy)
+    order: list[str] = []
+
+    async def send(tag: str, priority: int) -> None:
+        body = {"model": MODEL, "prompt": tag, "max_tokens": 5, "priority": priority}
+        status, raw = await post(session, sim.url + COMPLETIONS, body)
+        assert status == 200, raw
+        order.append(tag)
+
+    async with running_sim(config) as sim:
+        tasks = [asyncio.create_task(send("first", 0))]
+        await wait_for(lambda: sim.gauges().running == 1)
+        for i in range(3):
+            tasks.append(asyncio.create_task(send(f"batch{i}", 5)))
+            await wait_for(lambda n=i + 1: sim.gauges().waiting == n)
+        tasks.append(asyncio.create_task(send("urgent", -1)))
+        await wait_for(lambda: sim.gauges().waiting == 4)
+        await asyncio.gather(*tasks)
+    return order
+
+
+async def test_the_priority_policy_orders_the_waiting_queue_as_vllm_does(session):
+    assert await _finish_order(session, "priority") == [
+        "first",
+        "urgent",
+        "batch0",
+        "batch1",
+        "batch2",
+    ]
+    assert await _finish_order(session, "fcfs") == ["first", "batch0", "batch1", "batch2", "urgent"]

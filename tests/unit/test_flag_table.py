@@ -11,6 +11,7 @@ import json
 import re
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +84,15 @@ SAMPLES: dict[str, list[str]] = {
     "--max-queued-requests": ["--max-queued-requests", "4", "--max-concurrent-requests", "2"],
     "--render": ["--render-once", "--render", "r:8400"],
     "--first-token-from-prefill": ["--first-token-from-prefill"],
+    "--tenants": ["--tenants", "{dir}/tenants.json"],
+    "--tenant-header": ["--tenant-header", "X-Tenant"],
 }
-FILES = {"admin": "a-key\n", "keys": "k2\n# comment\nk3\n", "engine": "e2\n"}
+FILES = {
+    "admin": "a-key\n",
+    "keys": "k2\n# comment\nk3 tenant=t3\n",
+    "engine": "e2\n",
+    "tenants.json": '{"t3": {"weight": 2, "priority": 1}, "default": {"requests_per_minute": 60}}',
+}
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -94,6 +102,13 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
             if f.name != "hop_id":
                 out.update(_flat(getattr(value, f.name), f"{prefix}{f.name}."))
         return out
+    if isinstance(value, Mapping):
+        return {
+            prefix[:-1]: {
+                k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                for k, v in value.items()
+            }
+        }
     if isinstance(value, tuple):
         return {prefix[:-1]: [_flat(v) if dataclasses.is_dataclass(v) else v for v in value]}
     return {prefix[:-1]: value}
@@ -126,7 +141,11 @@ def _sets(action: argparse.Action, base: dict[str, Any], d: str) -> dict[str, An
     for argv in candidates:
         config = _config(argv)
         if config is not None and config != base:
-            changed = {k: v for k, v in config.items() if base.get(k) != v}
+            changed = {
+                k: v.replace(d, "{dir}") if isinstance(v, str) else v
+                for k, v in config.items()
+                if base.get(k) != v
+            }
             return {"argv": [a.replace(d, "{dir}") for a in argv], "config": changed}
     raise AssertionError(f"no sample of {name} reaches the config")
 
@@ -197,7 +216,13 @@ def test_help_shows_the_groups_and_every_flag_sits_in_one() -> None:
 
 
 def test_each_field_is_a_config_field_and_each_flag_reaches_the_config() -> None:
-    read_by_others = {"policy", "api_key_file", "engine_api_key_file", "admin_api_key"}
+    read_by_others = {
+        "policy",
+        "api_key_file",
+        "engine_api_key_file",
+        "admin_api_key",
+        "tenant_header",
+    }
     for flag in FLAGS:
         if flag.field is None:
             assert flag.dest in read_by_others, flag.names
