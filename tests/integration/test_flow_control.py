@@ -27,9 +27,7 @@ def _metric(d, name, **labels):
 
 async def _post(session, url, body=None, headers=None, log=None, tag=None):
     started = time.monotonic()
-    async with session.post(
-        url + "/v1/completions", json=body or BODY, headers=headers or {}
-    ) as r:
+    async with session.post(url + "/v1/completions", json=body or BODY, headers=headers or {}) as r:
         raw = await r.read()
         if log is not None:
             log.append(tag)
@@ -56,7 +54,9 @@ async def _idle(d):
 async def test_a_lower_priority_number_overtakes_the_queue_and_reaches_both_legs():
     limits = AdmissionConfig(max_concurrent=1, max_queued=20, queue_timeout=10)
     tenants = _tenants(batch=TenantSpec(priority=10))
-    async with deployment(1, 1, proxy={"admission": limits, "tenants": tenants}, decode_tps=100) as d:
+    async with deployment(
+        1, 1, proxy={"admission": limits, "tenants": tenants}, decode_tps=100
+    ) as d:
         order: list[str] = []
         async with aiohttp.ClientSession() as s:
             url = d.proxy.url
@@ -85,7 +85,9 @@ async def test_a_lower_priority_number_overtakes_the_queue_and_reaches_both_legs
 async def test_tenants_share_the_queue_fairly_whoever_queued_first():
     limits = AdmissionConfig(max_concurrent=1, max_queued=20, queue_timeout=10)
     tenants = _tenants(flood=TenantSpec(), quiet=TenantSpec())
-    async with deployment(1, 1, proxy={"admission": limits, "tenants": tenants}, decode_tps=100) as d:
+    async with deployment(
+        1, 1, proxy={"admission": limits, "tenants": tenants}, decode_tps=100
+    ) as d:
         order: list[str] = []
         async with aiohttp.ClientSession() as s:
             url = d.proxy.url
@@ -111,7 +113,9 @@ async def test_a_deadline_that_the_queue_cannot_meet_is_refused_at_once():
     limits = AdmissionConfig(max_concurrent=1, max_queued=50, queue_timeout=10)
     tenants = _tenants()
     body = {**BODY, "max_tokens": 20}
-    async with deployment(1, 1, proxy={"admission": limits, "tenants": tenants}, decode_tps=200) as d:
+    async with deployment(
+        1, 1, proxy={"admission": limits, "tenants": tenants}, decode_tps=200
+    ) as d:
         async with aiohttp.ClientSession() as s:
             url = d.proxy.url
             for _ in range(5):  # the drain rate: what the fleet releases per second
@@ -206,7 +210,9 @@ async def test_bad_identity_is_a_400_that_counts_nothing():
 async def test_a_queued_client_that_leaves_returns_its_slot_and_its_tenants_share():
     limits = AdmissionConfig(max_concurrent=1, max_queued=5, queue_timeout=10)
     tenants = _tenants(t=TenantSpec(max_concurrent=3))
-    async with deployment(1, 1, proxy={"admission": limits, "tenants": tenants}, decode_tps=20) as d:
+    async with deployment(
+        1, 1, proxy={"admission": limits, "tenants": tenants}, decode_tps=20
+    ) as d:
         async with aiohttp.ClientSession() as s:
             url = d.proxy.url
             head = {"x-tenant": "t"}
