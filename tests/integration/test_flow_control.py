@@ -93,11 +93,11 @@ async def test_tenants_share_the_queue_fairly_whoever_queued_first():
             url = d.proxy.url
             tasks = [asyncio.create_task(_post(s, url, log=order, tag="first"))]
             await asyncio.sleep(0.02)
-            for i in range(6):
+            for _ in range(6):
                 head = {"x-tenant": "flood"}
                 tasks.append(asyncio.create_task(_post(s, url, None, head, order, "flood")))
             await _queued(d, 6)
-            for i in range(2):
+            for _ in range(2):
                 head = {"x-tenant": "quiet"}
                 tasks.append(asyncio.create_task(_post(s, url, None, head, order, "quiet")))
             results = await asyncio.gather(*tasks)
