@@ -21,7 +21,6 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from pdproxy.errors import ConfigError
@@ -51,7 +50,8 @@ class TenantsConfig:
     """The tenants file, the header that names a request's tenant when client keys do not
     (``--tenant-header``), and where the file was read from (for a reload)."""
 
-    tenants: Mapping[str, TenantSpec] = field(default_factory=lambda: MappingProxyType({}))
+    # a plain dict (a config is pickled to --workers' processes), never written after load
+    tenants: Mapping[str, TenantSpec] = field(default_factory=dict)
     default: TenantSpec = TenantSpec()
     header: str | None = None
     path: str | None = None
@@ -74,7 +74,7 @@ class TenantsConfig:
             return self
         tenants = {name: _divided(spec, workers) for name, spec in self.tenants.items()}
         return TenantsConfig(
-            tenants=MappingProxyType(tenants),
+            tenants=tenants,
             default=_divided(self.default, workers),
             header=self.header,
             path=self.path,
@@ -121,7 +121,7 @@ def load_tenants(path: str, header: str | None = None) -> TenantsConfig:
             )
         specs[name] = _spec(entry, f"--tenants {path}: tenant {name!r}")
     default = specs.pop(DEFAULT_TENANT, TenantSpec())
-    return TenantsConfig(tenants=MappingProxyType(specs), default=default, header=header, path=path)
+    return TenantsConfig(tenants=specs, default=default, header=header, path=path)
 
 
 def valid_name(name: str) -> bool:

@@ -104,6 +104,13 @@ class _Fit:
         fixed = max(self.y - slope * self.x, 0.0)
         return fixed + slope * tokens
 
+    def predicts(self, tokens: float) -> bool:
+        """Whether ``expected(tokens)`` is a measurement rather than a guess: the fit has
+        seen sizes apart (a slope), or legs of about this size."""
+        if self.n == 0.0:
+            return False
+        return self.xx >= _MIN_SPREAD or abs(tokens - self.x) <= 0.1 * max(self.x, 16.0)
+
     def per_token(self) -> float:
         if self.n == 0.0:
             return 0.0
@@ -145,8 +152,8 @@ class SpeedTracker:
         mine = speed.seconds_per_token
         per_token = seconds / max(computed, 1.0)
         speed.seconds_per_token = per_token if mine <= 0 else mine + alpha * (per_token - mine)
-        if expected <= 0.0:
-            return  # the role's first leg: nothing to compare it with yet
+        if expected <= 0.0 or not fit.predicts(computed):
+            return  # nothing yet to compare a leg of this size with
         ratio = min(max(seconds / expected, _MIN_SLOWNESS), _MAX_SLOWNESS)
         speed.slowness += alpha * (ratio - speed.slowness)
 

@@ -210,8 +210,17 @@ async def assert_settled(f: Fleet) -> None:
             and all(r.outcome != "pending" for r in s.requests)
             for s in f.engines
         )
+        admission = state.admission
         return (
             state.in_flight == 0
+            and (
+                admission is None
+                or (
+                    admission.active == 0
+                    and admission.queued == 0
+                    and all(t.in_flight == 0 for t in admission.limits._tenants.values())
+                )
+            )
             and all(
                 e.legs.in_flight == 0
                 and e.legs.work == 0

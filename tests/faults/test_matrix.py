@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from types import MappingProxyType
 
 import aiohttp
 import pytest
 
+from pdproxy.config.listener import AdmissionConfig
 from pdproxy.config.proxy import SchedulingConfig
 from pdproxy.config.resilience import RetryConfig
+from pdproxy.config.tenants import TenantsConfig, TenantSpec
 from tests.faults.harness import (
     HEALTH,
     NO_MIGRATION,
@@ -353,4 +356,48 @@ async def test_recovered_instance_is_confirmed_within_about_one_interval():
         took = await wait_until(lambda: f.instance(sick).routable, timeout=4, what="healthy")
         assert took <= 1.0 + 2 * 0.25 + 0.5
         all_ok(await drive(f, 8))
+        await assert_settled(f)
+
+
+# -- flow control (issue 31): requests that wait in pdproxy for a slot ------------------
+
+FLOW = {
+    "admission": AdmissionConfig(max_concurrent=2, max_queued=64, queue_timeout=10),
+    "tenants": TenantsConfig(
+        tenants=MappingProxyType({"batch": TenantSpec(priority=5, max_concurrent=32)}),
+        header="x-tenant",
+    ),
+}
+
+
+async def test_queued_clients_that_leave_return_their_slots_and_tenants_shares():
+    async with fleet(proxy=FLOW, decode_tps=40) as f:
+        async with aiohttp.ClientSession() as s:
+            tasks = [
+                asyncio.create_task(
+                    s.post(
+                        f.proxy.url + "/v1/completions",
+                        json=body(i, stream=i % 2 == 0, chat=False),
+                        headers={"x-tenant": "batch"},
+                    )
+                )
+                for i in range(10)
+            ]
+            await wait_until(lambda: f.state.admission.queued >= 6, timeout=5, what="a queue")
+            for task in tasks[4:]:
+                task.cancel()  # clients that give up while queued (or as they are admitted)
+            for task in tasks[:4]:
+                async with await task as r:
+                    assert r.status == 200 and await r.read()
+            await asyncio.gather(*tasks[4:], return_exceptions=True)
+        all_ok(await drive(f, 8))  # the slots they held or waited for are free again
+        await assert_settled(f)
+
+
+async def test_an_engine_that_dies_while_requests_queue_for_the_fleet():
+    async with fleet(proxy=FLOW, decode_tps=100) as f:
+        driving = asyncio.create_task(drive(f, 24, concurrency=12))
+        await wait_until(lambda: f.state.admission.queued >= 4, timeout=5, what="a queue")
+        await f.decodes[0].kill()
+        all_ok(await driving)  # each queued request is served on the live decode
         await assert_settled(f)
