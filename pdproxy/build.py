@@ -297,7 +297,10 @@ def _app_state(
             clock=clock,
         ),
         models=ModelReader(
-            interval=config.health.models_interval, registry=core.registry, client=core.client
+            interval=config.health.models_interval,
+            registry=core.registry,
+            client=core.client,
+            max_models=config.health.max_models,
         ),
         lora=core.lora,
         passthrough=passthrough,

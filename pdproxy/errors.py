@@ -32,6 +32,16 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+ECHO_LIMIT = 256  # characters of a client's string an error message repeats at most
+
+
+def clip(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text`` as an error message may echo it: at most ``limit`` characters, the rest
+    counted, never repeated (a client's 200 KB model name is not sent back whole)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
 
 class ProxyError(Exception):
     status: ClassVar[int] = 500
@@ -132,7 +142,7 @@ class ModelNotFound(ProxyError):
     error_type = "NotFoundError"
 
     def __init__(self, model: str) -> None:
-        super().__init__(f"The model `{model}` does not exist.", param="model")
+        super().__init__(f"The model `{clip(model)}` does not exist.", param="model")
 
 
 class NoEndpointAvailable(ProxyError):

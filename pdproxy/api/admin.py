@@ -45,13 +45,22 @@ def _state(request: Request) -> AppState:
 
 
 def _authorize(request: Request) -> AppState:
-    state = _state(request)
+    return authorize_admin(_state(request), request)
+
+
+def authorize_admin(state: AppState, request: Request, *, bearer: bool = False) -> AppState:
+    """The admin key, as ``X-API-Key`` (or, where ``bearer``, also as ``Authorization:
+    Bearer KEY``, vLLM's own spelling for its LoRA API); 403 when no admin key is set."""
     key = state.config.admin_api_key
     if not key:
         raise AdminError(
             403, "the admin API is disabled: set ADMIN_API_KEY or --admin-api-key-file"
         )
     given = request.headers.get("x-api-key")
+    if given is None and bearer:
+        authorization = request.headers.get("authorization") or ""
+        if authorization[:7].lower() == "bearer ":
+            given = authorization[7:].strip()
     if given is None:
         raise AdminError(401, "missing X-API-Key header")
     if not hmac.compare_digest(given.encode("utf-8", "replace"), key.encode("utf-8")):
@@ -106,7 +115,8 @@ async def _check_stated_models(state: AppState, url: str, stated: object) -> Non
     if not isinstance(stated, list) or not all(isinstance(m, str) and m for m in stated):
         raise AdminError(400, "'models' must be a list of model names")
     try:
-        served = served_models(await state.client.get_json(url + "/v1/models"))
+        answer = await state.client.get_json(url + "/v1/models")
+        served = served_models(answer, state.config.health.max_models)
     except (UpstreamError, ValueError) as exc:
         raise AdminError(400, f"instance did not answer its probe: {exc}") from None
     missing = sorted(set(stated) - set(served or ()))

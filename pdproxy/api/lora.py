@@ -11,13 +11,15 @@ gave it; 502/503 when an instance could not be reached. No routable instance: 50
 from __future__ import annotations
 
 import asyncio
+import posixpath
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pdproxy.api.info import authorize
+from pdproxy.api.admin import authorize_admin
 from pdproxy.api.state import AppState
-from pdproxy.errors import NoEndpointAvailable
+from pdproxy.errors import AdminError, NoEndpointAvailable
 from pdproxy.proxying.lora import LOAD, UNLOAD, LoraAnswer
 from pdproxy.types import Endpoint
 
@@ -37,10 +39,12 @@ async def unload_lora_adapter(request: Request) -> Response:
 
 async def _fan_out(request: Request, path: str) -> Response:
     state: AppState = request.app.state.pdproxy
-    authorize(state, request)
+    authorize_admin(state, request, bearer=True)  # loading weights fleet-wide is admin work
     body = await request.body()
     if len(body) > _MAX_BODY:
         body = b""  # the engines answer vLLM's 400 for the missing fields
+    if path == LOAD:
+        _check_lora_path(state, body)
     targets = [e for e in state.registry.all() if e.routable]
     if not targets:
         raise NoEndpointAvailable("no instance is available")
@@ -79,3 +83,36 @@ async def _one(
     state: AppState, endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str]
 ) -> LoraAnswer:
     return await state.lora.call(endpoint, path, body, headers)
+
+
+def _check_lora_path(state: AppState, body: bytes) -> None:
+    """With ``--lora-path-root``, a load's ``lora_path`` must be one of ``--lora-modules``'
+    paths or lie under a root (compared as normalised paths, component by component: no
+    ``..`` out of a root); 403 otherwise, before any engine is asked."""
+    lora = state.config.lora
+    if not lora.path_roots:
+        return
+    try:
+        data = orjson.loads(body) if body else {}
+    except orjson.JSONDecodeError:
+        return  # the engines answer vLLM's own 400
+    path = data.get("lora_path") if isinstance(data, dict) else None
+    if path is None:
+        return
+    if not isinstance(path, str) or not lora_path_allowed(path, lora.path_roots, lora.paths):
+        raise AdminError(
+            403, "lora_path is not one of --lora-modules' paths nor under a --lora-path-root"
+        )
+
+
+def lora_path_allowed(path: str, roots: tuple[str, ...], named: dict[str, str]) -> bool:
+    if "\x00" in path or not path.startswith("/"):
+        return False
+    clean = posixpath.normpath(path)
+    if clean in {posixpath.normpath(p) for p in named.values()}:
+        return True
+    for root in roots:
+        base = posixpath.normpath(root)
+        if clean == base or clean.startswith(base.rstrip("/") + "/"):
+            return True
+    return False

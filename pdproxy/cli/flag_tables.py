@@ -102,6 +102,14 @@ RESILIENCE_FLAGS = (
         type=float,
     ),
     Flag(
+        names=("--max-models-per-instance",),
+        group=RESILIENCE,
+        help="Models (and adapters) one instance may list in /v1/models; an instance listing"
+        " more is not admitted (and a re-read listing more is ignored).",
+        field="health.max_models",
+        type=int,
+    ),
+    Flag(
         names=("--health-failure-threshold",),
         group=RESILIENCE,
         help="Failed checks in a row that make an instance unhealthy (not routable).",

@@ -176,6 +176,17 @@ FLEET_FLAGS = (
         convert=values.lora_modules,
     ),
     Flag(
+        names=("--lora-path-root",),
+        group=FLEET,
+        help="Directories the admin's /v1/load_lora_adapter may load from (besides"
+        " --lora-modules' paths); default: any path.",
+        field="lora.path_roots",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="DIR",
+    ),
+    Flag(
         names=("--lora-load-on-demand",),
         group=FLEET,
         help="A request for a --lora-modules adapter no routable pair holds loads it on the"
@@ -218,6 +229,32 @@ FLEET_FLAGS = (
         help="Largest registration message; a peer sending a larger one is disconnected.",
         field="registry.max_message_bytes",
         type=int,
+    ),
+    Flag(
+        names=("--registry-max-dp-size",),
+        group=FLEET,
+        help="Largest dp_size a registration may state (each DP rank gets a KV-event"
+        " subscriber); past it the message is malformed.",
+        field="registry.max_dp_size",
+        type=int,
+    ),
+    Flag(
+        names=("--registry-max-tp-size",),
+        group=FLEET,
+        help="Largest tp_size a registration may state; past it the message is malformed.",
+        field="registry.max_tp_size",
+        type=int,
+    ),
+    Flag(
+        names=("--registry-kv-events-host",),
+        group=FLEET,
+        help="Hosts a registration's own KV events endpoint may name besides the instance's"
+        " own (default: only its own; never an ipc:// path).",
+        field="registry.kv_events_hosts",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="HOST",
     ),
     Flag(
         names=("--registry-ttl",),

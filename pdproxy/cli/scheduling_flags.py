@@ -141,6 +141,14 @@ SCHEDULING_FLAGS = (
         field=_S + "kv_events_topic",
     ),
     Flag(
+        names=("--kv-events-max-subscribers",),
+        group=SCHEDULING,
+        help="Engine ranks whose KV events are followed at most (a ZMQ socket or two each);"
+        " past it a rank is scored from the approximate index.",
+        field=_S + "kv_events_max_subscribers",
+        type=int,
+    ),
+    Flag(
         names=("--kv-events-stale-secs",),
         group=SCHEDULING,
         help="An engine rank sent work that publishes no KV events for this long is scored "

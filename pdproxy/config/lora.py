@@ -20,12 +20,17 @@ class LoraConfig:
     modules: tuple[tuple[str, str], ...] = ()
     load_on_demand: bool = False
     max_loras: int = 0
+    # --lora-path-root: directories a /v1/load_lora_adapter's lora_path must lie under
+    # (besides the modules' own paths); () = any path the admin names
+    path_roots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_loras < 0:
             raise ConfigError("--max-loras must be >= 0")
         if self.load_on_demand and not self.modules:
             raise ConfigError("--lora-load-on-demand needs --lora-modules NAME=PATH")
+        if any(not root.startswith("/") for root in self.path_roots):
+            raise ConfigError("--lora-path-root takes absolute directories")
         names = [name for name, _ in self.modules]
         if len(set(names)) != len(names):
             raise ConfigError("--lora-modules names each adapter once")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pdproxy.config.addresses import parse_host_port
 from pdproxy.errors import ConfigError
+from pdproxy.types import EngineAddress
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +52,11 @@ class RegistryConfig:
     max_message_bytes: int = 64 * 1024
     allow_cidrs: tuple[str, ...] = ()  # networks heartbeats may come from; () = any
     shared: SharedRegistryConfig = field(default_factory=SharedRegistryConfig)
+    # a registration's bounds: its data- and tensor-parallel sizes (each DP rank gets a KV
+    # event subscriber), and the hosts its own KV events endpoint may name besides its own
+    max_dp_size: int = 256
+    max_tp_size: int = 256
+    kv_events_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.port is not None and not 1 <= self.port <= 65535:
@@ -64,3 +70,44 @@ class RegistryConfig:
                 raise ConfigError(f"--registry-allow-cidr {cidr!r} is not a CIDR") from exc
         if self.ttl <= 0 or self.sweep_interval <= 0:
             raise ConfigError("registry ttl and sweep interval must be positive")
+        if not 1 <= self.max_dp_size <= 4096 or not 1 <= self.max_tp_size <= 4096:
+            raise ConfigError("--registry-max-dp-size and --registry-max-tp-size: 1-4096")
+
+    def registration_problem(self, address: EngineAddress) -> str | None:
+        """Why a registration (a keyless peer's) is refused, or None: sizes past the bounds,
+        or a KV events endpoint that is an ``ipc://`` path or names a host other than the
+        instance's own (``{host}``) and ``--registry-kv-events-host``'s."""
+        if address.dp_size > self.max_dp_size:
+            return f"dp_size {address.dp_size} exceeds --registry-max-dp-size {self.max_dp_size}"
+        if address.tp_size > self.max_tp_size:
+            return f"tp_size {address.tp_size} exceeds --registry-max-tp-size {self.max_tp_size}"
+        own = url_host(address.url)
+        for name, endpoint in (
+            ("kv_events_endpoint", address.kv_events_endpoint),
+            ("kv_events_replay_endpoint", address.kv_events_replay_endpoint),
+        ):
+            if endpoint is None:
+                continue
+            if not endpoint.startswith("tcp://"):
+                return f"{name}: a registration may name only a tcp:// endpoint"
+            host = endpoint_host(endpoint)
+            if host not in ("{host}", own, *self.kv_events_hosts):
+                return (
+                    f"{name} names a host other than the instance's own; allow it with"
+                    " --registry-kv-events-host"
+                )
+        return None
+
+
+def url_host(url: str) -> str:
+    """The host of ``http(s)://host:port`` as written (IPv6 without brackets)."""
+    rest = url.split("://", 1)[-1].split("/", 1)[0]
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    return host.strip("[]")
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host part of ``tcp://host:port`` (IPv6 without brackets)."""
+    rest = endpoint[len("tcp://") :]
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    return host.strip("[]")

@@ -56,6 +56,7 @@ class HealthConfig:
     engine_metrics_interval: float = 1.0
     # seconds between re-reads of every instance's /v1/models (its models and adapters; 0: off)
     models_interval: float = 30.0
+    max_models: int = 1024  # models (and adapters) one instance may list in /v1/models
     # pre-warmed pairs (``pdproxy.membership.warmup``): a new instance first runs one tiny PD
     # request with up to ``warm_pairs`` peers of the other role (0: off), for at most
     # ``warm_timeout``
@@ -67,6 +68,8 @@ class HealthConfig:
             raise ConfigError("health check interval must be >= 0 and its timeout > 0")
         if not 0 <= self.engine_metrics_interval < math.inf:
             raise ConfigError("--engine-metrics-interval-secs must be >= 0")
+        if not 1 <= self.max_models <= 1_000_000:
+            raise ConfigError("--max-models-per-instance must be in 1-1000000")
         if not 0 <= self.models_interval < math.inf:
             raise ConfigError("--models-refresh-secs must be >= 0")
         if self.failure_threshold < 1 or self.success_threshold < 1:

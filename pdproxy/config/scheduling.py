@@ -3,6 +3,7 @@ and the policy name table, with vllm-router's and SMG's spellings as aliases."""
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,11 +51,31 @@ def events_endpoint(value: object, name: str) -> str | None:
         raise ConfigError(f"{name} must be a string of at most 512 characters")
     if not value.startswith(("tcp://", "ipc://")):
         raise ConfigError(f"{name} must be a tcp:// or ipc:// endpoint")
-    try:
-        value.format(host="h", port=1, dp_rank=0)
-    except (KeyError, IndexError, ValueError) as exc:
-        raise ConfigError(f"{name} may name only {{host}}, {{port}} and {{dp_rank}}") from exc
+    if not template_fields_ok(value):
+        raise ConfigError(
+            f"{name} may name only the bare fields {{host}}, {{port}} and {{dp_rank}}"
+        )
     return value
+
+
+_TEMPLATE_FIELDS = frozenset(("host", "port", "dp_rank"))
+
+
+def template_fields_ok(template: str) -> bool:
+    """True when ``template``'s replacement fields are only bare ``{host}``, ``{port}``
+    and ``{dp_rank}``: checked by parsing, never by formatting (an attribute, an index, a
+    conversion or a format spec, a width of 200,000,000 among them, is refused without
+    running it)."""
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError:  # an unmatched brace
+        return False
+    for _, field, spec, conversion in parts:
+        if field is None:
+            continue
+        if field not in _TEMPLATE_FIELDS or spec or conversion:
+            return False
+    return True
 
 
 def canonical_policy(name: str) -> PolicyName:
@@ -89,6 +110,9 @@ class SchedulingConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    # KV-event subscribers (engine ranks followed) at most; past it a rank is scored from
+    # the approximate index (each subscriber is a ZMQ socket or two)
+    kv_events_max_subscribers: int = 1024
     # seconds without a batch, while sent legs that should store blocks, before an engine
     # rank's events are stale (scored approximately until they flow again); 0: never
     kv_events_stale_secs: float = 30.0
@@ -118,6 +142,8 @@ class SchedulingConfig:
             raise ConfigError("--prefix-block-chars and --prefix-index-max-blocks must be >= 1")
         if not 0 <= self.cache_threshold <= 1:
             raise ConfigError("--cache-threshold must be in [0, 1]")
+        if self.kv_events_max_subscribers < 1:
+            raise ConfigError("--kv-events-max-subscribers must be >= 1")
         events_endpoint(self.kv_events_endpoint, "--kv-events-endpoint")
         events_endpoint(self.kv_events_replay_endpoint, "--kv-events-replay-endpoint")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from pdproxy.errors import ModelNotFound, NoEndpointAvailable
+from pdproxy.errors import ModelNotFound, NoEndpointAvailable, clip
 from pdproxy.types import Endpoint, Snapshot
 
 EMPTY = Snapshot(prefill=(), decode=())
@@ -50,7 +50,7 @@ class ModelPools:
         if pool.decode or model is None or not self.everything.decode:
             return pool  # (no decode at all: the scheduler's 503, whatever the model)
         if model in self.known:
-            raise NoEndpointAvailable(f"no instance serving model {model!r} is available")
+            raise NoEndpointAvailable(f"no instance serving model {clip(model)!r} is available")
         raise ModelNotFound(model)
 
 

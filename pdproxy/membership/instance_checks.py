@@ -17,12 +17,16 @@ from pdproxy.errors import UpstreamError
 from pdproxy.types import Endpoint, Role, Source
 from pdproxy.upstream.engine_client import EngineClient
 
-NOT_MODELS = 'its /v1/models answer is not {"data": [{"id": ...}, ...]}'
+NOT_MODELS = (
+    'its /v1/models answer is not {"data": [{"id": ...}, ...]} of at most'
+    " --max-models-per-instance models"
+)
 
 
 class InstanceChecks:
     def __init__(self, config: ProxyConfig, client: EngineClient, connector: KVConnector) -> None:
         self._model = config.model
+        self._max_models = config.health.max_models
         self._client = client
         self._connector = connector
 
@@ -58,7 +62,7 @@ class InstanceChecks:
             answer: Any = await self._client.get_json(endpoint.url + "/v1/models")
         except ValueError:  # not JSON
             return NOT_MODELS
-        models = served_models(answer)
+        models = served_models(answer, self._max_models)
         if models is None:
             return NOT_MODELS
         endpoint.reidentify(models=models)
@@ -67,9 +71,18 @@ class InstanceChecks:
         return None
 
 
-def served_models(answer: Any) -> tuple[str, ...] | None:
-    """The model ids of a ``/v1/models`` answer; None when it is not vLLM's shape."""
+MAX_MODEL_ID = 512  # characters: an id longer than this is no model name
+
+
+def served_models(answer: Any, limit: int = 1024) -> tuple[str, ...] | None:
+    """The model ids of a ``/v1/models`` answer; None when it is not vLLM's shape or lists
+    more than ``limit`` models (``--max-models-per-instance``: each is a pool, metric series
+    and memory). Ids longer than ``MAX_MODEL_ID`` are left out."""
     data = answer.get("data") if isinstance(answer, dict) else None
-    if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+    if not isinstance(data, list) or len(data) > limit:
         return None
-    return tuple(m["id"] for m in data if isinstance(m.get("id"), str))
+    if not all(isinstance(m, dict) for m in data):
+        return None
+    return tuple(
+        m["id"] for m in data if isinstance(m.get("id"), str) and len(m["id"]) <= MAX_MODEL_ID
+    )

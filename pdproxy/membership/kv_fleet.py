@@ -59,6 +59,8 @@ class KVEventFleet:
         self._template = config.kv_events_endpoint
         self._replay = config.kv_events_replay_endpoint
         self._topic = config.kv_events_topic
+        self._max_subscribers = config.kv_events_max_subscribers
+        self._capped = False
         self._registry = registry
         self.index = index
         self._context: zmq.asyncio.Context | None = None
@@ -83,10 +85,19 @@ class KVEventFleet:
                 None if address.kv_events_endpoint else self._replay
             )
             for rank in range(max(endpoint.dp_size, 1)):
+                if len(wanted) >= self._max_subscribers:
+                    break
                 wanted[instance_name(endpoint.url, rank)] = (
                     endpoint_for(events, endpoint.url, rank),
                     endpoint_for(replay, endpoint.url, rank) if replay else None,
                 )
+        if len(wanted) >= self._max_subscribers and not self._capped:
+            logger.warning(
+                "following the KV events of %d engine ranks, --kv-events-max-subscribers;"
+                " the others are scored from the approximate index",
+                self._max_subscribers,
+            )
+        self._capped = len(wanted) >= self._max_subscribers
         for name, running in list(self._running.items()):
             target = wanted.get(name)
             if target != (running.subscriber.endpoint, running.subscriber.replay_endpoint):

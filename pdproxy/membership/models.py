@@ -28,9 +28,15 @@ logger = logging.getLogger(__name__)
 
 class ModelReader:
     def __init__(
-        self, *, interval: float, registry: EndpointRegistry, client: EngineClient
+        self,
+        *,
+        interval: float,
+        registry: EndpointRegistry,
+        client: EngineClient,
+        max_models: int = 1024,
     ) -> None:
         self.interval = interval  # seconds between rounds; 0: no timer
+        self._max_models = max_models  # a longer list is ignored (the old one stays)
         self._registry = registry
         self._client = client
         self._task: asyncio.Task[None] | None = None
@@ -64,7 +70,7 @@ class ModelReader:
             answer: Any = await self._client.get_json(endpoint.url + "/v1/models")
         except (UpstreamError, ValueError):
             return False
-        models = served_models(answer)
+        models = served_models(answer, self._max_models)
         if models is None or models == endpoint.models:
             return False
         if self._registry.get(endpoint.url) is not endpoint or endpoint.identity is not before:

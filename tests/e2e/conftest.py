@@ -142,11 +142,13 @@ def example_pair() -> Iterator[EnginePair]:
         yield pair
 
 
-async def post(url: str, path: str, body: dict, timeout: float = 120) -> tuple[int, bytes]:
+async def post(
+    url: str, path: str, body: dict, timeout: float = 120, headers: dict | None = None
+) -> tuple[int, bytes]:
     client_timeout = aiohttp.ClientTimeout(total=timeout)
     async with (
         aiohttp.ClientSession(timeout=client_timeout) as s,
-        s.post(url + path, json=body) as r,
+        s.post(url + path, json=body, headers=headers or {}) as r,
     ):
         return r.status, await r.read()
 

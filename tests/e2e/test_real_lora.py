@@ -7,6 +7,8 @@ adapter, and not what the base model answers, with the prompt's KV moved over NI
 
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 import pytest
 
@@ -20,6 +22,8 @@ from tests.servers import running_proxy
 pytestmark = pytest.mark.real_engine
 
 ADAPTER = "smollm2-random-lora"
+ADMIN = "lora-admin-key"  # pdproxy's LoRA API is admin work; vLLM's Bearer spelling works
+BEARER = {"Authorization": f"Bearer {ADMIN}"}
 PROMPT = "The three most important things to pack for a long hike are"
 
 
@@ -34,8 +38,9 @@ async def test_adapter_through_pd_equals_one_engine_and_differs_from_base(
     model_dir = pair.model_dir or Settings.from_env(model=SMOLLM2).model_dir
     adapter = write_random_lora(model_dir, tmp_path / "lora", seed=23)
     load = {"lora_name": ADAPTER, "lora_path": str(adapter)}
-    async with running_proxy(proxy_config(pair)) as proxy:
-        status, raw = await post(proxy.url, "/v1/load_lora_adapter", load)
+    config = dataclasses.replace(proxy_config(pair), admin_api_key=ADMIN)
+    async with running_proxy(config) as proxy:
+        status, raw = await post(proxy.url, "/v1/load_lora_adapter", load, headers=BEARER)
         assert status == 200, raw
         try:
             pools = proxy.state.registry.pools()
@@ -46,7 +51,7 @@ async def test_adapter_through_pd_equals_one_engine_and_differs_from_base(
             assert status == 200, raw
             moved = external_tokens(pair) - before
         finally:  # the session's pair goes back to its base weights alone
-            await post(proxy.url, "/v1/unload_lora_adapter", {"lora_name": ADAPTER})
+            await post(proxy.url, "/v1/unload_lora_adapter", {"lora_name": ADAPTER}, headers=BEARER)
     through_pd = output_text(raw, chat=False, stream=False)
     record_property("adapter_answer", through_pd)
     # one engine alone, the same adapter (loaded on it again: the proxy unloaded it)

@@ -67,6 +67,7 @@ async def fleet(**health: float) -> AsyncIterator[Fleet]:
             decode=tuple(EngineAddress(url=s.url) for n, s in sims.items() if n[0] == "d"),
             scheduling=ROUND_ROBIN,
             health=HealthConfig(models_interval=0.05, **health),
+            admin_api_key=ADMIN,
         )
         proxy = await stack.enter_async_context(running_proxy(config))
         await _until(lambda: set(proxy.state.registry.pools().by_model) == {ALPHA, BETA, GAMMA})
@@ -87,8 +88,12 @@ async def _complete(url: str, model: str) -> tuple[int, dict]:
         return r.status, orjson.loads(await r.read())
 
 
+ADMIN = "lora-admin-key"  # LoRA administration through pdproxy is admin work
+
+
 async def _post(url: str, path: str, body: dict) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+    headers = {"X-API-Key": ADMIN}
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body, headers=headers) as r:
         return r.status, await r.read()
 
 

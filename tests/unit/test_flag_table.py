@@ -85,6 +85,8 @@ SAMPLES: dict[str, list[str]] = {
     "--render": ["--render-once", "--render", "r:8400"],
     "--first-token-from-prefill": ["--first-token-from-prefill"],
     "--tenants": ["--tenants", "{dir}/tenants.json"],
+    "--lora-path-root": ["--lora-path-root", "/models/adapters"],
+    "--registry-kv-events-host": ["--registry-kv-events-host", "10.0.0.9"],
     "--tenant-header": ["--tenant-header", "X-Tenant"],
 }
 FILES = {

@@ -26,7 +26,7 @@ def test_the_template_is_filled_per_instance_and_rank(template, url, rank, expec
     ("flags", "message"),
     [
         ({"kv_events_endpoint": "http://x:1"}, "tcp:// or ipc://"),
-        ({"kv_events_endpoint": "tcp://{hostname}:1"}, "only {host}"),
+        ({"kv_events_endpoint": "tcp://{hostname}:1"}, "only the bare fields {host}"),
         ({"kv_events_replay_endpoint": "tcp://{host}:5558"}, "needs --kv-events-endpoint"),
     ],
 )

@@ -253,8 +253,17 @@ class ZmqRegistry:
         except RegistryMessageError as exc:
             self._log.warning("malformed", "registry: dropped a bad message: %s", exc)
             return "malformed"
+        except Exception as exc:  # decode's own bug: still this message's, never the batch's
+            self._log.warning(
+                "malformed", "registry: dropped a message that failed to decode (%s)", _kind(exc)
+            )
+            return "malformed"
         if registration is None:
             return "ignored"
+        problem = self._config.registration_problem(registration.address)
+        if problem is not None:
+            self._log.warning("malformed", "registry: dropped a registration: %s", problem)
+            return "malformed"
         try:
             return self._membership.heartbeat(registration)
         except Exception:  # one bad entry must not stop registration for everyone
@@ -274,3 +283,7 @@ def _report_end(task: asyncio.Task[None]) -> None:
     """The serve loop only ends by cancellation; anything else must not pass silently."""
     if not task.cancelled() and task.exception() is not None:
         logger.error("registry: serve loop stopped", exc_info=task.exception())
+
+
+def _kind(exc: BaseException) -> str:
+    return type(exc).__name__
