@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from pdproxy.observability.log import RateLimitedLogger
 from pdproxy.scheduling.kv_events import KVIndex, MalformedEvents, decode_batch, pieces
 from pdproxy.scheduling.kv_sequence import Action, SequenceTracker
 
@@ -89,6 +90,7 @@ class KVEventSubscriber:
         self.ready = asyncio.Event()  # subscribed and the first replay done
         self._disconnected = False
         self.replaced = False  # a successor follows the same name: leave its entries alone
+        self._log = RateLimitedLogger(logger, time.monotonic)  # a publisher sends anything
 
     async def run(self) -> None:
         sock = self._context.socket(zmq.SUB)
@@ -123,9 +125,14 @@ class KVEventSubscriber:
     async def _on_frames(self, frames: list[bytes]) -> None:
         try:
             await self._on_live(frames)
-        except Exception:  # never stop following: the next batch may be sound
+        except Exception as exc:  # never stop following: the next batch may be sound
             self.stats.malformed += 1
-            logger.exception("KV events of %s: batch not applied", self.instance)
+            self._log.warning(
+                "failed",
+                "KV events of %s: batch not applied (%s)",
+                self.instance,
+                type(exc).__name__,
+            )
 
     async def _on_connection(self, message: list[bytes]) -> None:
         """A publisher that went away and came back (a restarted engine, or the network):
@@ -148,6 +155,9 @@ class KVEventSubscriber:
         if parsed is None:
             return
         seq, ts, events = parsed
+        if events is None:  # numbered, undecodable: its number is taken all the same
+            self.sequence.dropped(seq)
+            return
         action = self.sequence.live(seq, ts)
         if action is Action.APPLY:
             await self._apply(events)
@@ -189,8 +199,13 @@ class KVEventSubscriber:
                 if len(frames) == 4 and frames[2] == _END:
                     return
                 parsed = self._parse(frames[1:])
-                if parsed is not None:
-                    await self._take_replayed(*parsed)
+                if parsed is None:
+                    continue
+                seq, ts, events = parsed
+                if events is None:
+                    self.sequence.dropped(seq)
+                else:
+                    await self._take_replayed(seq, ts, events)
             self.stats.replay_failures += 1
             logger.warning("KV events replay of %s: endless, left", self.instance)
         except TimeoutError:
@@ -199,20 +214,37 @@ class KVEventSubscriber:
         finally:
             dealer.close(linger=0)
 
-    def _parse(self, frames: list[bytes]) -> tuple[int, float, list[Any]] | None:
+    def _parse(self, frames: list[bytes]) -> tuple[int, float, list[Any] | None] | None:
+        """(sequence number, timestamp, events); the events are None for a numbered batch
+        whose payload is not vLLM's (its number still counts); None when not even the
+        framing is. Counted, and logged at most once per 10 s per kind."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.malformed += 1
+            self._log.warning(
+                "framing",
+                "KV events of %s: a message of %d frames dropped",
+                self.instance,
+                len(frames),
+            )
+            return None
+        seq = int.from_bytes(frames[1], "big")
         try:
-            if len(frames) != 3 or len(frames[1]) != 8:
-                raise MalformedEvents(f"{len(frames)} frames")
             batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
             events, _rank = decode_batch(batch)
             ts = batch[0]
-            if not isinstance(ts, int | float):
+            if not isinstance(ts, int | float) or isinstance(ts, bool) or ts != ts:
                 raise MalformedEvents("a batch's timestamp is a number")
-        except (MalformedEvents, ValueError, TypeError, msgpack.ExtraData) as exc:
+        except Exception as exc:  # msgpack and the decoder raise many types on garbage
             self.stats.malformed += 1
-            logger.debug("KV events of %s: malformed batch dropped (%s)", self.instance, exc)
-            return None
-        return int.from_bytes(frames[1], "big"), float(ts), list(events)
+            self._log.warning(
+                "payload",
+                "KV events of %s: malformed batch %d dropped (%s)",
+                self.instance,
+                seq,
+                type(exc).__name__,
+            )
+            return seq, 0.0, None
+        return seq, float(ts), list(events)
 
     async def _apply(self, events: list[Any]) -> None:
         """``events`` into the index, ``_TURN_BLOCKS`` at a time: a batch of a million

@@ -60,6 +60,13 @@ class SequenceTracker:
         self._apply(seq, ts)
         return Action.RESTART
 
+    def dropped(self, seq: int) -> None:
+        """A batch numbered ``seq`` whose payload could not be decoded: its number is taken
+        (when it is the next one), so the batch after it is not a gap that a replay cannot
+        fill, which would wipe the engine's whole index for one bad batch."""
+        if self.next is None or seq == self.next:
+            self.next = seq + 1
+
     def reset(self) -> None:
         self.next, self.last_ts = None, float("-inf")
 

@@ -197,3 +197,37 @@ async def test_an_endless_replay_is_left_for_the_live_feed(trickle):
         router.close(0)
         await pub.aclose()
         context.term()
+
+
+async def test_an_undecodable_batch_takes_its_number_and_wipes_nothing():
+    # Issue 31: a batch with a valid sequence number and a payload that does not decode was
+    # dropped without taking its number; the next batch then looked like a gap no replay
+    # could fill, and the engine's whole index was wiped (36 -> 18 blocks in one measure).
+    async with pair() as p:
+        await p.joined()
+        p.store([1, 2, 3], None, 0)
+        await until(lambda: p.depth() == 3)
+        bad = p.pub._seq
+        p.pub._seq += 1  # numbered as the engine numbers it, never in its replay buffer
+        p.pub._pub.send_multipart((b"", bad.to_bytes(8, "big"), b"\x93\x01\x02\x03"))
+        await until(lambda: p.sub.stats.malformed == 1)
+        p.store([4], 3, 3)
+        await until(lambda: p.depth() == 4)
+        assert p.sub.sequence.restarts == 0 and p.sub.sequence.gaps == 0
+        assert len(p.index) == 4
+
+
+async def test_five_thousand_bad_batches_log_a_few_lines(caplog):
+    async with pair() as p:
+        await p.joined()
+        with caplog.at_level("DEBUG", logger="pdproxy.membership.kv_subscriber"):
+            for i in range(5000):
+                seq = p.pub._seq
+                p.pub._seq += 1
+                p.pub._pub.send_multipart((b"", seq.to_bytes(8, "big"), b"\xc1" * 39))
+                if i % 500 == 0:
+                    await asyncio.sleep(0)
+            await until(lambda: p.sub.stats.malformed >= 4000, timeout=10)
+        lines = [r for r in caplog.records if "kv_subscriber" in r.name]
+        assert len(lines) <= 5, len(lines)  # was a whole traceback per batch
+        assert all(r.exc_info is None for r in lines)
