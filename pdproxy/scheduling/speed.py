@@ -145,14 +145,15 @@ class SpeedTracker:
         )
         fit = self._fits.setdefault(endpoint.role, _Fit())
         speed = endpoint.speed
-        expected = fit.expected(computed)  # before this leg joins the fit it is judged by
+        # before this leg joins the fit it is judged by
+        expected = fit.expected(computed) if fit.predicts(computed) else 0.0
         # The fit is of a typical instance: each leg joins it at its instance's speed, so
         # a slow instance's legs (often of other sizes) do not tilt it.
         fit.add(computed, seconds / speed.slowness, _FIT_ALPHA)
         mine = speed.seconds_per_token
         per_token = seconds / max(computed, 1.0)
         speed.seconds_per_token = per_token if mine <= 0 else mine + alpha * (per_token - mine)
-        if expected <= 0.0 or not fit.predicts(computed):
+        if expected <= 0.0:
             return  # nothing yet to compare a leg of this size with
         ratio = min(max(seconds / expected, _MIN_SLOWNESS), _MAX_SLOWNESS)
         speed.slowness += alpha * (ratio - speed.slowness)
