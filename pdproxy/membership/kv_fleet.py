@@ -120,7 +120,7 @@ class KVEventFleet:
         running.subscriber.replaced = replaced  # then its successor owns the name's entries
         running.task.cancel()
         self.index.unfollow(name)
-        self.index.clear(name)
+        self.index.release(name)
 
     async def aclose(self) -> None:
         tasks = [r.task for r in self._running.values()]

@@ -151,7 +151,11 @@ def pieces(events: Sequence[Event], most: int) -> Iterator[list[Event]]:
     room = most
     for event in events:
         if isinstance(event, Cleared) or not event.block_hashes:
+            if room == 0:  # a clear or an empty event is work too: a turn holds so many
+                yield run
+                run, room = [], most
             run.append(event)
+            room -= 1
             continue
         hashes, start = event.block_hashes, 0
         while start < len(hashes):
@@ -298,9 +302,23 @@ class KVIndex:
             self.live_version += 1
 
     def clear(self, url: str) -> None:
-        """Everything ``url`` held is gone (its engine cleared or restarted, or it left)."""
-        self._keys.pop(url, None)
-        self.prefixes.forget(url)
+        """Everything ``url`` held is gone (its engine cleared or restarted): O(what it
+        held), never a walk of the whole index (``detach`` and ``drop`` do it in turns)."""
+        self.drop(url, self.detach(url))
+
+    def release(self, url: str) -> None:
+        """``url`` left: what it held goes, and its place in the prefix index."""
+        self.clear(url)
+        self.prefixes.release(url)
+
+    def detach(self, url: str) -> list[int]:
+        """Forget ``url``'s engine hashes at once (its next stores start afresh); returns
+        its keys, which ``drop`` takes out of the prefix index, all at once or in turns."""
+        known = self._keys.pop(url, None)
+        return list(known.values()) if known else []
+
+    def drop(self, url: str, keys: Sequence[int]) -> None:
+        self.prefixes.remove(keys, url)
 
     def held(self, url: str) -> int:
         """The blocks ``url`` (an engine rank) holds as its events told them (at most
@@ -325,13 +343,19 @@ class KVIndex:
         self.block_size = event.block_size
         size, tokens = event.block_size, event.token_ids
         keys = []
+        stale = []
         for i, engine_hash in enumerate(event.block_hashes):
             key = hash((key, tuple(tokens[i * size : (i + 1) * size])))
+            old = known.get(engine_hash)
+            if old is not None and old != key:
+                stale.append(old)  # the same hash re-stored as another block
             known[engine_hash] = key
             keys.append(key)
         self.prefixes.insert(keys, url)
         while len(known) > self.max_blocks:
-            known.popitem(last=False)
+            stale.append(known.popitem(last=False)[1])
+        if stale:  # every key of url's in the prefix index stays one of ``known``'s
+            self.prefixes.remove(stale, url)
 
     def _remove(self, url: str, event: Removed) -> None:
         known = self._keys.get(url)

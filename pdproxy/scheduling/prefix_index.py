@@ -109,6 +109,14 @@ class PrefixIndex:
                 del entries[block]
         self._free.append(bit)
 
+    def release(self, url: str) -> None:
+        """Free ``url``'s bit without a walk: its caller removed every entry it holds
+        (``KVIndex`` keeps them all in its own map, so a leaving engine costs what it
+        held, not the whole index)."""
+        bit = self._bits.pop(url, None)
+        if bit is not None:
+            self._free.append(bit)
+
     def instances(self) -> list[str]:
         return list(self._bits)
 

@@ -1,11 +1,14 @@
-"""``python -m tests.hostile.kv_flood PORT SECONDS``: a hostile engine's KV-event publisher.
+"""``python -m tests.hostile.kv_flood PORT SECONDS [clears]``: a hostile engine's KV-event
+publisher.
 
 Binds vLLM's PUB socket on 127.0.0.1:PORT, prints ``ready``, then for SECONDS publishes
 batches just under pdproxy's bound on a batch (``kv_subscriber._MAX_BYTES``) made of
 one-token blocks (the most blocks a byte can carry: about 180,000 a batch, each a new
 chain from the root, so the index fills and evicts), and every third batch one over the
-bound. Then one JSON line: the batches sent. A process of its own, so packing them never
-counts in the test's figures.
+bound. With ``clears``: one batch that fills the index, then every ``PERIOD`` a batch of ten
+``AllBlocksCleared`` (a 100-odd-byte batch; before issue 29 each clear walked the whole
+index) followed by the fill again. Then one JSON line: the batches sent. A process of its
+own, so packing them never counts in the test's figures.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import json
 import sys
 import time
 
-from engines.sim.kv_events import KVEventPublisher, stored
+from engines.sim.kv_events import KVEventPublisher, cleared, stored
 from pdproxy.membership.kv_subscriber import _MAX_BYTES
 
 BYTES_A_BLOCK = 10  # a 9-byte hash and a 1-byte token id
@@ -47,5 +50,23 @@ async def main(port: int, seconds: float) -> None:
     await publisher.aclose()
 
 
+async def clears(port: int, seconds: float) -> None:
+    publisher = KVEventPublisher(f"tcp://127.0.0.1:{port}", buffer_steps=1)
+    fill = int(_MAX_BYTES * 0.85) // BYTES_A_BLOCK
+    hashes = itertools.count(1 << 60, 1 << 20)
+    sent = {"fills": 0, "clears": 0}
+    print("ready", flush=True)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        publisher.publish(_batch(next(hashes), fill))
+        sent["fills"] += 1
+        await asyncio.sleep(PERIOD)
+        publisher.publish([cleared("map")] * 10)
+        sent["clears"] += 1
+    print(json.dumps(sent), flush=True)
+    await publisher.aclose()
+
+
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), float(sys.argv[2])))
+    run = clears if sys.argv[3:] == ["clears"] else main
+    asyncio.run(run(int(sys.argv[1]), float(sys.argv[2])))

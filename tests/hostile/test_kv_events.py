@@ -75,3 +75,43 @@ async def test_a_flood_of_batches_at_the_bound_into_a_full_index_never_stalls_pd
     assert len(ranks) == 2 and all(r["batches"] >= 1 for r in ranks), status
     assert all(r["indexed_blocks"] <= MAX_BLOCKS for r in ranks), status
     assert status["indexed_blocks"] <= status["max_blocks"] == MAX_BLOCKS, status
+
+
+
+async def test_batches_of_clears_into_a_full_index_never_stall_pdproxy(tmp_path):
+    # Issue 29: AllBlocksCleared walked the whole prefix index (about 2.5 us an entry) and
+    # the batch splitter did not count it as work: with a full index one 414-byte batch of
+    # 10 clears froze /health for 15 s. A clear now takes out what that engine held, in
+    # turns of 1,024 keys.
+    port = free_port()
+    flags = (
+        *("--prefill-policy", "kv-events", "--decode-policy", "kv-events"),
+        *("--kv-events-endpoint", f"tcp://127.0.0.1:{port}"),
+        *("--prefix-index-max-blocks", str(4 * MAX_BLOCKS)),
+    )
+    async with pdproxy(tmp_path, *flags) as proxy:
+        reference = await completions(proxy, range(8))
+        args = [sys.executable, "-m", "tests.hostile.kv_flood", str(port), str(FLOOD_S), "clears"]
+        flood = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
+        try:
+            assert flood.stdout is not None
+            assert await asyncio.wait_for(flood.stdout.readline(), 15) == b"ready\n"
+            with health_probed(proxy):
+                while flood.returncode is None and not flood.stdout.at_eof():
+                    await own_answers(proxy, range(8), reference)
+                    try:
+                        line = await asyncio.wait_for(flood.stdout.readline(), 0.2)
+                    except TimeoutError:
+                        continue
+                    if line:
+                        sent = json.loads(line)
+                        break
+            assert await asyncio.wait_for(flood.wait(), 10) == 0
+        finally:
+            if flood.returncode is None:
+                flood.kill()
+                await flood.wait()
+        status = await _status(proxy.url)
+    assert sent["clears"] >= 3, sent
+    ranks = status["instances"].values()
+    assert len(ranks) == 2 and all(r["batches"] >= sent["clears"] for r in ranks), status
