@@ -77,7 +77,6 @@ async def test_a_flood_of_batches_at_the_bound_into_a_full_index_never_stalls_pd
     assert status["indexed_blocks"] <= status["max_blocks"] == MAX_BLOCKS, status
 
 
-
 async def test_batches_of_clears_into_a_full_index_never_stall_pdproxy(tmp_path):
     # Issue 29: AllBlocksCleared walked the whole prefix index (about 2.5 us an entry) and
     # the batch splitter did not count it as work: with a full index one 414-byte batch of

@@ -165,10 +165,10 @@ def test_pieces_apply_to_the_same_index_as_the_whole(most):
     whole, cut = KVIndex(1000), KVIndex(1000)
     whole.apply("a", events)
     runs = list(pieces(events, most))
+
     def units(run):  # a block, or a clear or an empty event: each is work (issue 29)
         return sum(
-            1 if isinstance(e, Cleared) or not e.block_hashes else len(e.block_hashes)
-            for e in run
+            1 if isinstance(e, Cleared) or not e.block_hashes else len(e.block_hashes) for e in run
         )
 
     for run in runs:
