@@ -126,6 +126,8 @@ class LocalTokenizer:
             return None
         if _flag(body, "continue_final_message", False):
             return None
+        if prompt_chars(body) > MAX_PROMPT_CHARS:
+            return None  # checked before rendering: the cap bounds the render's cost too
         generation = _flag(body, "add_generation_prompt", True)
         text = self._chat.render(body, add_generation_prompt=generation)
         if not text or len(text) > MAX_PROMPT_CHARS:
@@ -133,24 +135,46 @@ class LocalTokenizer:
         return self._encode(text, _flag(body, "add_special_tokens", False), threaded)
 
 
-def prompt_chars(body: Mapping[str, Any]) -> int:
-    """About how many characters ``body``'s prompt has (what tokenizing it costs)."""
+_PER_ITEM = 16  # characters a template writes around each message, part or tool at least
+
+
+def prompt_chars(body: Mapping[str, Any], budget: int = MAX_PROMPT_CHARS) -> int:
+    """About how many characters ``body``'s prompt renders to (what rendering and
+    tokenizing it cost): a completion's prompt; for a chat, every string of its messages,
+    their content parts, names and tool calls, and of its tools, plus ``_PER_ITEM`` for
+    each message, part and tool (900,000 empty messages are not an empty prompt). Stops
+    counting past ``budget``: a larger body is refused unrendered."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return len(prompt)
-    messages = body.get(MESSAGES)
     if isinstance(prompt, list):
         return sum(len(p) for p in prompt if isinstance(p, str))
+    messages = body.get(MESSAGES)
     if not isinstance(messages, list):
         return 0
-    chars = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            chars += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, dict))
-    return chars
+    return _size([messages, body.get("tools")], budget)
+
+
+def _size(value: object, budget: int) -> int:
+    """The characters of every string in ``value`` (keys too), plus ``_PER_ITEM`` for each
+    list item and object, walked without recursion; at most ``budget`` + 1."""
+    total = 0
+    stack = [value]
+    while stack and total <= budget:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += _PER_ITEM
+            for key, inner in item.items():
+                total += len(key) if isinstance(key, str) else 0
+                stack.append(inner)
+        elif isinstance(item, list):
+            total += _PER_ITEM * len(item)
+            stack.extend(item)
+        elif item is not None:
+            total += 8  # a number or a boolean as the template prints it
+    return min(total, budget + 1)
 
 
 def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:

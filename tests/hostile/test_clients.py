@@ -583,3 +583,38 @@ async def test_huge_prompts_tokenized_by_pdproxy_never_slow_health(tmp_path):
             async with s.get(proxy.url + "/metrics") as r:
                 metrics = await r.text()
     assert 'pdproxy_prompt_tokens_total{outcome="exact"} 8.0' in metrics, proxy.log()[-2000:]
+
+
+async def test_a_chat_of_many_empty_messages_is_never_rendered_on_the_loop(tmp_path):
+    """Issue 29: the size that sent a chat template's render to a thread counted only the
+    messages' content, and the 1 MiB cap was checked after rendering: 900,000 empty
+    messages rendered on the loop and stalled /health 12 s. Every message, part and tool
+    now counts, and a body past the cap is not rendered at all."""
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    folder = write_model_dir(
+        tmp_path / "tokenizer", ["user: hi"], config={"chat_template": template}
+    )
+    kv_events = ("--prefill-policy", "kv-events", "--decode-policy", "kv-events")
+    async with pdproxy(tmp_path, *kv_events, "--tokenizer", str(folder)) as proxy:
+        body = {
+            "model": MODEL,
+            # 40,000 messages: the old render took about 0.5 s of loop each; reading the
+            # body and the scheduler's features about 70 ms (every large body pays those)
+            "messages": [{"role": "user", "content": ""}] * 40_000,
+            "max_tokens": 1,
+        }
+        data = orjson.dumps(body)
+        async with aiohttp.ClientSession() as s:
+            with health_probed(proxy):
+                await asyncio.sleep(0.3)
+                for _ in range(4):
+                    async with s.post(
+                        proxy.url + "/v1/chat/completions",
+                        data=io.BytesIO(data),
+                        headers={"Content-Type": "application/json"},
+                    ) as r:
+                        await r.read()
+                        assert r.status < 500
+            async with s.get(proxy.url + "/metrics") as r:
+                metrics = await r.text()
+    assert 'pdproxy_prompt_tokens_total{outcome="unsupported"} 4.0' in metrics
