@@ -58,7 +58,7 @@ class FirstTokenPath:
     ) -> ProxyResponse | None:
         """The client's stream started with the prefill's token, or None for the usual
         decode leg."""
-        token = self._first_token(request, prefill)
+        token = self._first_token(request, transfer, prefill)
         if token is None:
             return None
         trace = current()
@@ -84,14 +84,30 @@ class FirstTokenPath:
         relay.origin = transfer.decision.decode.url
         return ProxyResponse(200, _SSE, transfer.request_id, stream=relay)
 
-    def _first_token(self, request: ClientRequest, prefill: Mapping[str, Any]) -> FirstToken | None:
+    def _first_token(
+        self, request: ClientRequest, transfer: Transfer, prefill: Mapping[str, Any]
+    ) -> FirstToken | None:
         body = request.body
         if reason(body) is not None:
             return None
         held = held_blocks(prefill)
         if held is None:
             return None
-        source, tokens, blocks = held
+        _engine, tokens, blocks = held
+        # What is learned is the instance's pdproxy sent the leg to, never the engine id
+        # the prefill reports (a prefill claiming another's id poisoned its bounds).
+        decision = transfer.decision
+        source = f"{decision.prefill.url}|{decision.prefill_dp_rank or 0}"
+        if self._blocks.too_few(source, tokens, blocks):
+            logger.warning(
+                "%s: prefill %s lists %d blocks for %d prompt tokens: the usual decode",
+                transfer.request_id,
+                decision.prefill.url,
+                blocks,
+                tokens,
+            )
+            self._legs.count_failure(decision.prefill, "too_few_blocks")
+            return None
         self._blocks.observe(source, tokens, blocks)
         token = first_token(body, prefill)
         if token is None:

@@ -143,6 +143,11 @@ class Legs:
             self._metrics.kv_events_cached_tokens.labels("actual").inc(actual)
             self._metrics.kv_events_error_tokens.inc(abs(predicted - actual))
 
+    def count_failure(self, endpoint: Endpoint, reason: str) -> None:
+        """A leg of ``endpoint`` answered what cannot be trusted (it was not an error on
+        the wire): counted toward its ejection as a failed leg."""
+        self._verdicts.failure(endpoint, reason)
+
     def prepare_decode(self, request: ClientRequest, decode: Endpoint) -> None:
         """While prefills run, a connection ready for each decode leg waiting on one there
         (``legs.reserved``): the decode is sent the moment its prefill answers, not after

@@ -212,6 +212,9 @@ class _Bounds:
     high: int | None  # None: no upper bound seen yet
 
 
+MAX_BLOCK_SIZE = 2048  # tokens a KV block holds at most in any vLLM configuration
+
+
 class BlockSizes:
     """Each prefill engine's KV block size, bounded by what its answers show: ``N`` prompt
     tokens held in ``k`` blocks means ``ceil(N / B) == k``. Pure; bounded."""
@@ -234,6 +237,16 @@ class BlockSizes:
         if known is None and len(self._bounds) >= _MAX_SOURCES:
             self._bounds.clear()
         self._bounds[source] = _Bounds(low, high)
+
+    def too_few(self, source: str, tokens: int, blocks: int) -> bool:
+        """The prefill lists fewer blocks than ``tokens`` need at any block size it could
+        have (the largest its answers allow, else ``MAX_BLOCK_SIZE``): its answer is not
+        to be trusted."""
+        if blocks < 1:
+            return tokens > 0
+        known = self._bounds.get(source)
+        largest = known.high if known is not None and known.high is not None else None
+        return blocks * (largest or MAX_BLOCK_SIZE) < tokens
 
     def on_edge(self, source: str, tokens: int, blocks: int) -> bool:
         """Might ``tokens`` + 1 need a block more than the ``blocks`` the prefill lists,

@@ -163,3 +163,58 @@ async def test_a_stream_whose_decode_leg_was_given_up_fails_rather_than_cancels(
     spliced.close()
     with pytest.raises(UpstreamError):
         await reading
+
+
+def _transfer(url: str) -> Any:
+    from types import SimpleNamespace
+
+    prefill = SimpleNamespace(url=url)
+    decision = SimpleNamespace(prefill=prefill, prefill_dp_rank=None)
+    return SimpleNamespace(decision=decision, request_id="r")
+
+
+def _answer(engine: str, tokens: int, blocks: int) -> dict[str, Any]:
+    params = {"remote_engine_id": engine, "remote_num_tokens": tokens,
+              "remote_block_ids": [list(range(blocks))]}  # fmt: skip
+    return {**ANSWER, "kv_transfer_params": params}
+
+
+def _path() -> tuple[Any, list[tuple[str, str]]]:
+    from types import SimpleNamespace
+
+    from pdproxy.proxying.first_token import FirstTokenPath
+
+    failures: list[tuple[str, str]] = []
+    legs = SimpleNamespace(count_failure=lambda e, why: failures.append((e.url, why)))
+    return FirstTokenPath(legs=legs, release=SimpleNamespace()), failures  # type: ignore[arg-type]
+
+
+def _request(tokens: int) -> Any:
+    from pdproxy.proxying.exchange import ClientRequest
+    from pdproxy.types import ApiKind
+
+    return ClientRequest(ApiKind.GENERATE, {**BODY, "token_ids": list(range(tokens))}, None, None)
+
+
+def test_what_is_learned_is_the_instances_never_the_engine_id_it_claims():
+    # Issue 29: a prefill claiming a legitimate prefill's engine id narrowed its bounds, and
+    # the legitimate prefill's next request on the block edge took the fast path (and
+    # killed a vLLM 0.32 decode).
+    path, _ = _path()
+    good, bad = _transfer("http://good:1"), _transfer("http://bad:1")
+    for tokens, blocks in ((33, 3), (32, 2)):  # good: 16-token blocks, learned
+        path._first_token(_request(tokens), good, _answer("E", tokens, blocks))
+    path._first_token(_request(64), bad, _answer("E", 64, 1))  # "E" with 64-token blocks
+    # good's prompt of 32 tokens in 2 blocks sits on its edge: the usual decode
+    assert path._first_token(_request(32), good, _answer("E", 32, 2)) is None
+    assert path._blocks.size("http://good:1|0") == (16, 16)
+
+
+def test_a_prefill_listing_too_few_blocks_is_not_trusted_and_counts_as_failed():
+    path, failures = _path()
+    good = _transfer("http://good:1")
+    path._first_token(_request(33), good, _answer("E", 33, 3))  # blocks of 11..16
+    assert path._first_token(_request(48), good, _answer("E", 48, 2)) is None  # needs 3
+    assert failures == [("http://good:1", "too_few_blocks")]
+    assert path._first_token(_request(5000), good, _answer("E", 5000, 1)) is None
+    assert len(failures) == 2 and path._blocks.size("http://good:1|0") == (11, 16)
