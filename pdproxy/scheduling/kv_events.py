@@ -19,6 +19,7 @@ Python's ``hash`` of int tuples is the same in every process, so a request's key
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -30,7 +31,10 @@ from pdproxy.scheduling.prefix_index import PrefixIndex
 
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
+logger = logging.getLogger(__name__)
+
 CLEARED = "AllBlocksCleared"
+MAX_BLOCK_SIZE = 4096  # tokens a block of any vLLM configuration holds at most
 _FULL_ATTENTION = ("full_attention", "FullAttentionSpec", "full")
 _HASH_TYPES = frozenset((int, bytes))
 # the positional fields of the arrays sent before events became tagged maps
@@ -108,6 +112,8 @@ def _stored(fields: Mapping[Any, Any]) -> Stored | None:
     tokens, size = fields.get("token_ids"), fields.get("block_size")
     if not isinstance(tokens, list | tuple) or not isinstance(size, int) or size < 1:
         raise MalformedEvents("BlockStored needs token_ids and a block_size")
+    if size > MAX_BLOCK_SIZE:
+        raise MalformedEvents(f"a block_size over {MAX_BLOCK_SIZE}")
     if len(tokens) < len(hashes) * size:
         raise MalformedEvents("BlockStored has fewer token ids than its blocks")
     extra = fields.get("extra_keys")
@@ -233,7 +239,10 @@ class KVIndex:
         self.check = SelfCheck()
         self.staleness = Staleness(stale_after)
         self.max_blocks = max_blocks
-        self.block_size = 0  # learned from the first BlockStored
+        # the fleet's block size: the one most engines' events state; the requests' keys
+        # are cut at it, so an engine whose own differs is scored approximately alone
+        self.block_size = 0
+        self.block_sizes: dict[str, int] = {}  # each engine rank's, from its own events
         # url -> engine hash -> own key, oldest first (popitem(last=False) is O(1); a plain
         # dict's first key is found past every deleted slot before it, which made each
         # store into a full index cost 35-80 us a block instead of 2)
@@ -260,6 +269,7 @@ class KVIndex:
 
     def unfollow(self, name: str) -> None:
         self.followed.discard(name)
+        self.block_sizes.pop(name, None)
         self.live.discard(name)
         self.check.forget(name)
         self.staleness.forget(name)
@@ -293,6 +303,7 @@ class KVIndex:
             name in self.followed
             and not self.check.distrusted(name)
             and name not in self.staleness.stale
+            and self.block_sizes.get(name, self.block_size) == self.block_size
         )
         if live != (name in self.live):
             if live:
@@ -300,6 +311,26 @@ class KVIndex:
             else:
                 self.live.discard(name)
             self.live_version += 1
+
+    def _learn_size(self, url: str, size: int) -> None:
+        """``url``'s events state its block size ``size``: one that changed makes what it
+        held unreadable (its keys were cut at the old size); the fleet's size is the one
+        most engines state, and an engine of another is not live (one publisher's block
+        size of 1e18 once zeroed every engine's predictions)."""
+        if url in self.block_sizes:
+            self.clear(url)
+            logger.warning("KV events of %s: block size now %d, rebuilding", url, size)
+        self.block_sizes[url] = size
+        counts: dict[int, int] = {}
+        for value in self.block_sizes.values():
+            counts[value] = counts.get(value, 0) + 1
+        fleet = max(counts, key=lambda v: (counts[v], v == self.block_size))
+        if fleet != self.block_size:
+            self.block_size = fleet
+            for name in list(self.followed):
+                self._refresh(name)
+        else:
+            self._refresh(url)
 
     def clear(self, url: str) -> None:
         """Everything ``url`` held is gone (its engine cleared or restarted): O(what it
@@ -329,6 +360,8 @@ class KVIndex:
         return self.prefixes.match(keys)
 
     def _store(self, url: str, event: Stored) -> None:
+        if self.block_sizes.get(url) != event.block_size:
+            self._learn_size(url, event.block_size)
         known = self._keys.get(url)
         if known is None:
             known = self._keys[url] = OrderedDict()
@@ -340,7 +373,6 @@ class KVIndex:
                 self.unchained += len(event.block_hashes)
                 return
             key = parent
-        self.block_size = event.block_size
         size, tokens = event.block_size, event.token_ids
         keys = []
         stale = []

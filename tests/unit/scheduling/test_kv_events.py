@@ -186,3 +186,23 @@ def test_a_stored_part_chains_to_the_block_before_it():
     first, second = (run[0] for run in pieces([event], 2))
     assert first == Stored((1, 2), 0, list(range(32)), 16, "ada", "cpu", ("ada",))
     assert second == Stored((3,), 2, list(range(32, 48)), 16, "ada", "cpu", ("ada",))
+
+
+def test_the_block_size_is_each_engines_own_and_an_odd_one_falls_back_alone():
+    # Issue 29: the index's block size was global: one publisher's empty BlockStored with a
+    # block size of 1e18 zeroed every engine's prediction and switched off the self-check.
+    index = KVIndex(1000)
+    for name in ("a", "b", "c"):
+        index.follow(name)
+    _store(index, "a", [1, 2], None, TOKENS[:32])
+    _store(index, "b", [5, 6], None, TOKENS[:32])
+    assert index.block_size == 16 and index.live == {"a", "b", "c"}
+    hostile = [0.0, [stored([], None, [], 10**18, "map")], 0]
+    with pytest.raises(MalformedEvents):
+        decode_batch(hostile)  # past any block size vLLM has: the batch is malformed
+    odd = decode_batch([0.0, [stored([7], None, TOKENS[:32], 32, "map")], 0])[0]
+    index.apply("c", odd)  # c's own block size is 32: c alone is scored approximately
+    assert index.block_size == 16 and index.live == {"a", "b"}
+    assert index.match(block_keys(TOKENS, 16)) == {"a": 2, "b": 2}
+    _store(index, "c", [8], None, TOKENS[:16])  # c restarted with the fleet's size
+    assert index.live == {"a", "b", "c"} and index.held("c") == 1  # its 32-blocks went
