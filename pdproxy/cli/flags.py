@@ -309,6 +309,21 @@ UPSTREAM_FLAGS = (
         field="pool.max_response_body_bytes",
         type=int,
     ),
+    Flag(
+        names=("--max-stream-event-bytes",),
+        group=UPSTREAM,
+        help="Largest SSE event of a stream that may migrate (kept until it ends); past it the"
+        " stream ends with the error event.",
+        field="pool.max_stream_event_bytes",
+        type=int,
+    ),
+    Flag(
+        names=("--max-stream-bytes",),
+        group=UPSTREAM,
+        help="Largest relayed stream; past it the stream ends with the error event.",
+        field="pool.max_stream_bytes",
+        type=int,
+    ),
 )
 
 OBSERVABILITY_FLAGS = (

@@ -43,12 +43,18 @@ class PoolLimits:
     max_connections_per_host: int = 0
     keepalive_expiry: float = 4.0
     max_response_body_bytes: int = 256 * 1024 * 1024
+    # a relayed stream: one SSE event of a stream that may migrate (its bytes are kept
+    # until the event ends), and a whole stream; past either it ends with the error event
+    max_stream_event_bytes: int = 4 * 1024 * 1024
+    max_stream_bytes: int = 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.max_connections < 0 or self.max_connections_per_host < 0:
             raise ConfigError("connection limits must be >= 0")
         if self.max_response_body_bytes <= 0:
             raise ConfigError("--max-response-body-bytes must be positive")
+        if self.max_stream_event_bytes <= 0 or self.max_stream_bytes <= 0:
+            raise ConfigError("--max-stream-event-bytes and --max-stream-bytes must be positive")
         if not 0 < self.keepalive_expiry < 5:
             raise ConfigError("keepalive expiry must be in (0, 5) s, below vLLM's keep-alive")
 

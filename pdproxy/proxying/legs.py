@@ -75,7 +75,11 @@ class Legs:
         self._verdicts = verdicts
         self._metrics = metrics
         self._background: set[asyncio.Task[Any]] = set()
-        self._watchdog = StreamWatchdog(client.read_timeout)
+        self._watchdog = StreamWatchdog(
+            client.read_timeout,
+            max_event=client.stream_limits[0],
+            max_stream=client.stream_limits[1],
+        )
 
     @property
     def watchdog(self) -> StreamWatchdog:

@@ -100,7 +100,11 @@ class Passthrough:
             rng=rng,
         )
         self._metrics = metrics
-        self._watchdog = StreamWatchdog(client.read_timeout)
+        self._watchdog = StreamWatchdog(
+            client.read_timeout,
+            max_event=client.stream_limits[0],
+            max_stream=client.stream_limits[1],
+        )
 
     def start(self) -> None:
         self._watchdog.start()

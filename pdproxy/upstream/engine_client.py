@@ -353,6 +353,11 @@ class EngineClient:
     def read_timeout(self) -> float:
         return self._timeouts.read
 
+    @property
+    def stream_limits(self) -> tuple[int, int]:
+        """(one SSE event's, a whole relayed stream's) bytes at most."""
+        return self._pool.max_stream_event_bytes, self._pool.max_stream_bytes
+
     @staticmethod
     def _require(session: _Session | None) -> _Session:
         if session is None:

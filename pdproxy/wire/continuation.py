@@ -111,13 +111,24 @@ class Generated:
     """What the client received of an answer so far: its text (text paths) or token ids
     (token-in), the tokens counted, and the identity fields of its first chunk."""
 
-    text: str = ""
+    text: str = ""  # the text it started with; what came after is in ``parts``
     token_ids: list[int] = field(default_factory=list)
     tokens: int = 0
     identity: dict[str, Any] = field(default_factory=dict)
+    # the text's pieces as they came: joined once, when a continuation needs the whole
+    # (``+=`` on every fold copied the text so far: quadratic in a long stream)
+    parts: list[str] = field(default_factory=list)
+
+    def whole_text(self) -> str:
+        if self.parts:
+            self.text += "".join(self.parts)
+            self.parts.clear()
+        return self.text
 
     def extend(self, more: Generated) -> None:
-        self.text += more.text
+        if more.text:
+            self.parts.append(more.text)
+        self.parts.extend(more.parts)
         self.token_ids.extend(more.token_ids)
         self.tokens += more.tokens
         if not self.identity:
@@ -185,7 +196,7 @@ def _read_choice(kind: ApiKind, choice: dict[str, Any], generated: Generated) ->
     if not isinstance(text, str) and text is not None:
         return False
     if text:
-        generated.text += text
+        generated.parts.append(text)
         generated.tokens += 1
     return True
 
@@ -242,9 +253,10 @@ def continuation_body(
         prompt = body[PROMPT]
         text = _prompt_text(prompt)
         assert text is not None  # not_migratable refused any other prompt
-        out[PROMPT] = [text + generated.text] if isinstance(prompt, list) else text + generated.text
+        whole = text + generated.whole_text()
+        out[PROMPT] = [whole] if isinstance(prompt, list) else whole
         return out
-    out[MESSAGES] = _continued_messages(body, generated.text)
+    out[MESSAGES] = _continued_messages(body, generated.whole_text())
     out["continue_final_message"] = True
     out["add_generation_prompt"] = False
     return out

@@ -343,3 +343,47 @@ async def _until(condition, seconds: float = 3.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the condition never held")
+
+
+# --- issue 29: a decode stream's size, when the request may migrate ---
+
+SSE_HEAD = head(b"200 OK", b"content-type: text/event-stream", b"transfer-encoding: chunked")
+FIRST_EVENT = chunk(b'data: {"id":"c","choices":[{"index":0,"text":"a"}]}\n\n')
+
+
+def _ended_with_error(answer: Answer) -> None:
+    assert answer.status == 200, (answer.status, answer.body[:300])
+    assert b'"error"' in answer.body[-4096:], answer.body[-300:]
+
+
+async def test_an_endless_event_is_cut_at_the_event_cap_in_linear_time() -> None:
+    """Before, a stream that may migrate joined its kept bytes again on every chunk once
+    256 KiB lacked an event end: an unterminated 128 MiB event cost 28.6 s of CPU and a
+    22.7 s /health stall. It is now folded only when a chunk may end an event, and past
+    --max-stream-event-bytes the stream ends with the error event."""
+
+    async def attack(exchange: Exchange, writer: Writer) -> None:
+        await endless(writer, SSE_HEAD + FIRST_EVENT, chunk(b"x" * 65536), most=128 * MiB)
+
+    pool = PoolLimits(max_stream_event_bytes=1 * MiB)
+    with memory_bounded():  # this process's: the attacker's answers are kept, ~1 MiB each
+        async with fleet(decode=attacked(attack, good_decode), pool=pool) as f:
+            attacks, _ = await drive(f, stream=True, seconds=0.5, attackers=1)
+    for answer in attacks:
+        _ended_with_error(answer)
+        assert len(answer.body) < 2 * MiB
+
+
+async def test_an_endless_stream_of_valid_events_is_cut_at_the_stream_cap() -> None:
+    event = chunk(b'data: {"id":"c","choices":[{"index":0,"text":"' + b"y" * 4000 + b'"}]}\n\n')
+
+    async def attack(exchange: Exchange, writer: Writer) -> None:
+        await endless(writer, SSE_HEAD, event, most=256 * MiB)
+
+    pool = PoolLimits(max_stream_bytes=1 * MiB)
+    with memory_bounded():
+        async with fleet(decode=attacked(attack, good_decode), pool=pool) as f:
+            attacks, _ = await drive(f, stream=True, seconds=0.5, attackers=1)
+    for answer in attacks:
+        _ended_with_error(answer)
+        assert len(answer.body) < 2 * MiB

@@ -73,14 +73,14 @@ def test_what_cannot_continue_exactly_is_not_migrated(kind, body, why):
 def test_read_generated_counts_one_token_per_chunk_with_text_and_keeps_the_identity():
     got = read_generated(COMPLETIONS, sse(text_event(" a"), text_event(""), text_event(" b")))
     assert got is not None
-    assert (got.text, got.tokens) == (" a b", 2)
+    assert (got.whole_text(), got.tokens) == (" a b", 2)
     assert got.identity == {"id": "cmpl-1", "created": 7, "model": "m"}
 
 
 def test_read_generated_skips_the_role_chunk_and_refuses_tool_calls():
     role = chat_event({"role": "assistant", "content": ""})
     got = read_generated(CHAT, sse(role, chat_event({"content": " x"})))
-    assert got is not None and (got.text, got.tokens) == (" x", 1)
+    assert got is not None and (got.whole_text(), got.tokens) == (" x", 1)
     assert read_generated(CHAT, sse(role, chat_event({"tool_calls": [{}]}))) is None
 
 
