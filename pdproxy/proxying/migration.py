@@ -110,7 +110,8 @@ class Migrations:
         if part is None:
             self._metrics.migrations.labels(reason, outcome).inc()
             return None
-        state.generated.extend(part)
+        carried = part.count()
+        state.generated.add_leg(part)
         request = state.request
         body = continuation_body(request.kind, request.body, state.generated)
         state.migrations += 1
@@ -135,7 +136,7 @@ class Migrations:
         self._metrics.migrations.labels(reason, "migrated").inc()
         self._record(origin, state, reason, relay)
         self._arm(state, relay)  # past the limit too: its cut is counted
-        return Continuation(relay, Rewriter(state.generated.identity, part.tokens))
+        return Continuation(relay, Rewriter(state.generated.identity, carried))
 
     def _admit(self, state: _Migrating, stream: bytes) -> tuple[str, Generated | None]:
         """What the cut stream delivered, if it may migrate; else the outcome label."""
@@ -147,7 +148,7 @@ class Migrations:
         part, state.folded = state.folded, Generated()
         part.extend(last)
         left = remaining(state.request.kind, state.request.body, state.generated.tokens)
-        if left is not None and part.tokens >= left:
+        if left is not None and part.count() >= left:
             return "finished", None
         if not self._budget.try_spend():
             return "budget", None

@@ -125,14 +125,33 @@ class Generated:
             self.parts.clear()
         return self.text
 
+    # the engine's own count of this leg's completion tokens, from a chunk's usage (where
+    # the client asked continuous usage stats): vLLM packs several tokens into one chunk
+    # under load or speculative decoding, so a chunk is not a token
+    leg_tokens: int | None = None
+
+    def count(self) -> int:
+        """This leg's tokens: the engine's count where it gave one, else its chunks."""
+        return self.tokens if self.leg_tokens is None else max(self.leg_tokens, 0)
+
     def extend(self, more: Generated) -> None:
+        """``more`` of the same leg (a fold, then the rest)."""
         if more.text:
             self.parts.append(more.text)
         self.parts.extend(more.parts)
         self.token_ids.extend(more.token_ids)
         self.tokens += more.tokens
+        if more.leg_tokens is not None:
+            self.leg_tokens = more.leg_tokens  # cumulative within the leg
         if not self.identity:
             self.identity = more.identity
+
+    def add_leg(self, leg: Generated) -> None:
+        """A whole leg's ``Generated``, after those before it: the counts add up."""
+        tokens = leg.count()
+        leg.leg_tokens = None
+        self.extend(leg)
+        self.tokens += tokens - leg.tokens
 
 
 def read_generated(kind: ApiKind, stream: bytes) -> Generated | None:
@@ -166,6 +185,11 @@ def _read_event(kind: ApiKind, data: dict[str, Any], generated: Generated) -> bo
     choices = data.get("choices")
     if not isinstance(choices, list) or "error" in data:
         return False
+    usage = data.get("usage")
+    if isinstance(usage, dict):
+        counted = usage.get("completion_tokens")
+        if type(counted) is int and 0 <= counted < 1 << 31:
+            generated.leg_tokens = counted
     for choice in choices:
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
             return False
@@ -282,15 +306,24 @@ class Rewriter:
     def __init__(self, identity: Mapping[str, Any], carried: int) -> None:
         self._identity = identity
         self._carried = carried
-        self._partial = b""
+        self._partial: list[bytes] = []  # an event's start, its end not yet come
 
     def __call__(self, chunk: bytes) -> bytes:
-        data = self._partial + chunk
+        partial = self._partial
+        if (
+            partial
+            and _EVENT_END not in chunk
+            and not (chunk[:1] == b"\n" and partial[-1][-1:] == b"\n")
+        ):
+            partial.append(chunk)  # no event ends here: nothing joined again (was quadratic)
+            return b""
+        data = b"".join([*partial, chunk]) if partial else chunk
         cut = data.rfind(_EVENT_END)
         if cut < 0:
-            self._partial = data
+            self._partial = [data]
             return b""
-        self._partial = data[cut + len(_EVENT_END) :]
+        rest = data[cut + len(_EVENT_END) :]
+        self._partial = [rest] if rest else []
         events = (self._event(e) for e in data[:cut].split(_EVENT_END) if e)
         return b"".join(e + _EVENT_END for e in events if e)
 

@@ -146,3 +146,40 @@ def test_the_rewriter_gives_the_original_identity_drops_the_role_and_carries_usa
     assert len(parsed) == 2  # the role chunk is gone
     assert {(p["id"], p["created"]) for p in parsed} == {("chatcmpl-1", 7)}
     assert parsed[1]["usage"] == {"prompt_tokens": 10, "completion_tokens": 5}
+
+
+def test_several_tokens_a_chunk_are_counted_from_the_engines_usage():
+    # Issue 29: vLLM packs several tokens into one chunk under load or speculative
+    # decoding; counted one a chunk, 9 tokens in 3 chunks made a continuation ask for 17
+    # tokens instead of 11 (of 20), and usage said 6 where 12 were delivered.
+    def counted(text: str, n: int) -> dict[str, Any]:
+        usage = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
+        return {**text_event(text), "usage": usage}
+
+    first = read_generated(COMPLETIONS, sse(counted(" a b c", 3), counted(" d e f", 6)))
+    rest = read_generated(COMPLETIONS, sse(counted(" g h i", 9)))
+    assert first is not None and rest is not None
+    first.extend(rest)  # a fold, then the rest of the same leg
+    assert (first.tokens, first.count()) == (3, 9)
+    total = Generated()
+    total.add_leg(first)
+    assert total.tokens == 9 and total.whole_text() == " a b c d e f g h i"
+    body = {"prompt": "p", "max_tokens": 20, "stream": True}
+    assert continuation_body(COMPLETIONS, body, total)["max_tokens"] == 11
+    second = read_generated(COMPLETIONS, sse(counted(" j", 2)))
+    assert second is not None
+    total.add_leg(second)
+    assert total.tokens == 11  # legs add up
+    # without the engine's counts, a chunk is the best word there is
+    plain = read_generated(COMPLETIONS, sse(text_event(" x y")))
+    assert plain is not None and plain.count() == 1
+
+
+def test_the_rewriter_holds_an_endless_event_without_joining_it_again():
+    rewrite = Rewriter({"id": "c"}, carried=0)
+    assert rewrite(b"data: {") == b""
+    for _ in range(1000):
+        assert rewrite(b"x" * 1000) == b""
+    assert len(rewrite._partial) == 1001  # kept as pieces, never joined per chunk
+    out = rewrite(b'"}\n\n')
+    assert out.endswith(b"\n\n") and rewrite._partial == []
