@@ -598,9 +598,10 @@ async def test_a_chat_of_many_empty_messages_is_never_rendered_on_the_loop(tmp_p
     async with pdproxy(tmp_path, *kv_events, "--tokenizer", str(folder)) as proxy:
         body = {
             "model": MODEL,
-            # 40,000 messages: the old render took about 0.5 s of loop each; reading the
-            # body and the scheduler's features about 70 ms (every large body pays those)
-            "messages": [{"role": "user", "content": ""}] * 40_000,
+            # 17,000 messages of no content: the old render took about 0.2 s of loop each;
+            # reading the body and the scheduler's features about 30 ms (every large body
+            # pays those); with their names they count past the 1 MiB that renders
+            "messages": [{"role": "user", "content": "", "name": "n" * 48}] * 17_000,
             "max_tokens": 1,
         }
         data = orjson.dumps(body)
