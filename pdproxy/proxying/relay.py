@@ -252,8 +252,9 @@ class StreamRelay:
         self._relayed += len(chunk)
         if self._relayed > self._max_stream:
             self._oversized(f"a stream over {self._max_stream} bytes")
-        end = chunk.rfind(b"\n\n")  # one scan of the chunk, at memchr's speed
-        if end >= 0:
+        if chunk.endswith(b"\n\n"):  # vLLM's usual chunk: whole events
+            self._open_event = 0
+        elif (end := chunk.rfind(b"\n\n")) >= 0:  # one scan, at memchr's speed
             self._open_event = len(chunk) - end - 2
         else:
             self._open_event += len(chunk)
