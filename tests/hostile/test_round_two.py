@@ -75,7 +75,10 @@ async def test_a_keyless_burst_of_hostile_registrations_never_takes_the_fleet_ou
 
         stop = asyncio.Event()
         beating = asyncio.create_task(heartbeats(stop))
-        await until(lambda: proxy.state.registry.get(d.url) is not None)
+        registry = proxy.state.registry
+        await until(  # both admitted (routable), not only heard of: else a first 503, by a race
+            lambda: len(registry.snapshot().prefill) == 1 and len(registry.snapshot().decode) == 1
+        )
         hostile = []
         for i, template in enumerate(HOSTILE_TEMPLATES * 3):
             hostile.append(
