@@ -15,6 +15,7 @@ import aiohttp
 
 from engines.ports import free_port
 from tests.hostile.test_clients import (
+    HealthProbe,
     MiB,
     completions,
     health_probed,
@@ -37,36 +38,47 @@ async def _status(url: str) -> dict:
         return (await r.json())["kv_events"]
 
 
-async def test_a_flood_of_batches_at_the_bound_into_a_full_index_never_stalls_pdproxy(tmp_path):
-    port = free_port()
-    flags = (
+def _flags(port: int, max_blocks: int) -> tuple[str, ...]:
+    return (
         *("--prefill-policy", "kv-events", "--decode-policy", "kv-events"),
         *("--kv-events-endpoint", f"tcp://127.0.0.1:{port}"),
-        *("--prefix-index-max-blocks", str(MAX_BLOCKS)),
+        *("--prefix-index-max-blocks", str(max_blocks)),
     )
-    async with pdproxy(tmp_path, *flags) as proxy:
-        reference = await completions(proxy, range(8))
+
+
+async def _flooded(proxy, port: int, *mode: str) -> tuple[dict, HealthProbe]:
+    """Run ``tests.hostile.kv_flood`` (``mode``) against ``proxy`` while clients check
+    their own answers and /health is probed; returns what it sent and the probe."""
+    reference = await completions(proxy, range(8))
+    args = [sys.executable, "-m", "tests.hostile.kv_flood", str(port), str(FLOOD_S), *mode]
+    flood = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
+    sent: dict = {}
+    try:
+        assert flood.stdout is not None
+        assert await asyncio.wait_for(flood.stdout.readline(), 15) == b"ready\n"
+        with health_probed(proxy) as probe:
+            while flood.returncode is None and not flood.stdout.at_eof():
+                await own_answers(proxy, range(8), reference)
+                try:
+                    line = await asyncio.wait_for(flood.stdout.readline(), 0.2)
+                except TimeoutError:
+                    continue
+                if line:
+                    sent = json.loads(line)
+                    break
+        assert await asyncio.wait_for(flood.wait(), 10) == 0
+    finally:
+        if flood.returncode is None:
+            flood.kill()
+            await flood.wait()
+    return sent, probe
+
+
+async def test_a_flood_of_batches_at_the_bound_into_a_full_index_never_stalls_pdproxy(tmp_path):
+    port = free_port()
+    async with pdproxy(tmp_path, *_flags(port, MAX_BLOCKS)) as proxy:
         quiet_rss = proxy.rss()
-        args = [sys.executable, "-m", "tests.hostile.kv_flood", str(port), str(FLOOD_S)]
-        flood = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
-        try:
-            assert flood.stdout is not None
-            assert await asyncio.wait_for(flood.stdout.readline(), 15) == b"ready\n"
-            with health_probed(proxy) as probe:
-                while flood.returncode is None and not flood.stdout.at_eof():
-                    await own_answers(proxy, range(8), reference)
-                    try:
-                        line = await asyncio.wait_for(flood.stdout.readline(), 0.2)
-                    except TimeoutError:
-                        continue
-                    if line:
-                        sent = json.loads(line)
-                        break
-            assert await asyncio.wait_for(flood.wait(), 10) == 0
-        finally:
-            if flood.returncode is None:
-                flood.kill()
-                await flood.wait()
+        sent, probe = await _flooded(proxy, port)
         status = await _status(proxy.url)
     assert sent["under"] >= 3 and sent["over"] >= 1, sent
     assert probe.max_rss - quiet_rss < RSS_BUDGET, (quiet_rss, probe.max_rss)
@@ -83,33 +95,8 @@ async def test_batches_of_clears_into_a_full_index_never_stall_pdproxy(tmp_path)
     # 10 clears froze /health for 15 s. A clear now takes out what that engine held, in
     # turns of 1,024 keys.
     port = free_port()
-    flags = (
-        *("--prefill-policy", "kv-events", "--decode-policy", "kv-events"),
-        *("--kv-events-endpoint", f"tcp://127.0.0.1:{port}"),
-        *("--prefix-index-max-blocks", str(4 * MAX_BLOCKS)),
-    )
-    async with pdproxy(tmp_path, *flags) as proxy:
-        reference = await completions(proxy, range(8))
-        args = [sys.executable, "-m", "tests.hostile.kv_flood", str(port), str(FLOOD_S), "clears"]
-        flood = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
-        try:
-            assert flood.stdout is not None
-            assert await asyncio.wait_for(flood.stdout.readline(), 15) == b"ready\n"
-            with health_probed(proxy):
-                while flood.returncode is None and not flood.stdout.at_eof():
-                    await own_answers(proxy, range(8), reference)
-                    try:
-                        line = await asyncio.wait_for(flood.stdout.readline(), 0.2)
-                    except TimeoutError:
-                        continue
-                    if line:
-                        sent = json.loads(line)
-                        break
-            assert await asyncio.wait_for(flood.wait(), 10) == 0
-        finally:
-            if flood.returncode is None:
-                flood.kill()
-                await flood.wait()
+    async with pdproxy(tmp_path, *_flags(port, 4 * MAX_BLOCKS)) as proxy:
+        sent, _ = await _flooded(proxy, port, "clears")
         status = await _status(proxy.url)
     assert sent["clears"] >= 3, sent
     ranks = status["instances"].values()
