@@ -11,11 +11,11 @@ from pdproxy.api.state import AppState
 from pdproxy.config.tenants import load_tenants
 from pdproxy.errors import ConfigError
 from pdproxy.flow.ticket import DEADLINE_HEADER, DEFAULT_TICKET, Ticket, make_ticket
+from pdproxy.wire.local_tokenizer import prompt_chars
 
 logger = logging.getLogger(__name__)
 
 _CHARS_PER_TOKEN = 4.0  # as the scheduler's default estimate (scheduling.features)
-_MAX_WALK = 4096  # list items looked at for a size; past them the estimate stops growing
 
 
 def ticket_for(state: AppState, body: Mapping[str, Any], headers: Mapping[str, str]) -> Ticket:
@@ -32,41 +32,16 @@ def ticket_for(state: AppState, body: Mapping[str, Any], headers: Mapping[str, s
 
 
 def prompt_tokens(body: Mapping[str, Any]) -> float:
-    """A cheap estimate of a body's prompt tokens: token ids counted, text by characters."""
+    """A cheap estimate of a body's prompt tokens: token ids counted, text by what renders
+    (``prompt_chars``, bounded, the local tokenizer's own measure) at 4 characters a token."""
     for key in ("prompt_token_ids", "token_ids"):
         ids = body.get(key)
         if isinstance(ids, list):
             return float(len(ids))
     prompt = body.get("prompt")
-    if prompt is not None:
-        return _size(prompt)
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        total = 0.0
-        for message in messages[:_MAX_WALK]:
-            if isinstance(message, dict):
-                total += _size(message.get("content")) + 4.0  # the role's tokens
-        return total
-    return 0.0
-
-
-def _size(value: object) -> float:
-    if isinstance(value, str):
-        return len(value) / _CHARS_PER_TOKEN
-    if isinstance(value, list):
-        if value and all(isinstance(v, int) for v in value[:8]):
-            return float(len(value))  # token ids
-        total = 0.0
-        for item in value[:_MAX_WALK]:
-            if isinstance(item, str):
-                total += len(item) / _CHARS_PER_TOKEN
-            elif isinstance(item, dict):
-                text = item.get("text")
-                total += len(text) / _CHARS_PER_TOKEN if isinstance(text, str) else 1.0
-            elif isinstance(item, list):
-                total += len(item)
-        return total
-    return 0.0
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return float(len(prompt))  # a completion's prompt as token ids
+    return prompt_chars(body) / _CHARS_PER_TOKEN
 
 
 def reload_tenants(state: AppState) -> str:

@@ -25,7 +25,7 @@ from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.registry import RegistryConfig
 from pdproxy.config.scheduling import SchedulingConfig, template_fields_ok
 from pdproxy.types import EngineAddress
-from tests.hostile.test_instances import KEY, complete, watched
+from tests.hostile.test_instances import KEY, admin_pair, complete, watched
 from tests.integration.conftest import MODEL
 from tests.integration.test_registry import dealer, p2p
 from tests.integration.test_registry_hardening import until, value
@@ -167,18 +167,7 @@ async def test_an_engine_listing_100000_models_is_not_admitted():
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        async with (
-            running_sim(SimConfig(role="prefill", model=MODEL)) as p,
-            running_sim(SimConfig(role="decode", model=MODEL)) as d,
-            running_proxy_of(
-                ProxyConfig(
-                    prefill=(EngineAddress(url=p.url),),
-                    decode=(EngineAddress(url=d.url),),
-                    admin_api_key=KEY,
-                )
-            ) as proxy,
-            watched(proxy),
-        ):
+        async with admin_pair() as (proxy, _, _):
             body = {"type": "decode", "instance": f"127.0.0.1:{port}"}
             headers = {"X-API-Key": KEY}
             async with (
