@@ -24,7 +24,9 @@ from pdproxy.membership.membership import Membership
 from pdproxy.membership.models import ModelReader
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.admission import Admission
+from pdproxy.proxying.deadlines import TtftPredictor
 from pdproxy.proxying.kv_release import KVRelease
+from pdproxy.proxying.leg_room import LegRoom
 from pdproxy.proxying.legs import Legs
 from pdproxy.proxying.lifecycle import Lifecycle
 from pdproxy.proxying.lora import LoraClient
@@ -54,6 +56,7 @@ class _Core:
     connector: KVConnector
     outliers: OutlierDetector
     lora: LoraClient
+    admission: Admission | None  # --max-concurrent-requests or --tenants; None: neither
 
 
 def build_state(
@@ -66,13 +69,15 @@ def build_state(
     client = EngineClient(
         config.timeouts, config.pool, _bearer(config.engine_api_key), tls=config.engine_tls
     )
+    metrics = ProxyMetrics(metrics_registry)
     core = _Core(
         registry=registry,
         client=client,
-        metrics=ProxyMetrics(metrics_registry),
+        metrics=metrics,
         connector=load_connector(config),
         outliers=OutlierDetector(config.outlier, clock),
         lora=LoraClient(registry=registry, client=client),
+        admission=_admission(config, metrics, clock),
     )
     health = HealthChecker(
         config.health, registry=core.registry, client=core.client, outliers=core.outliers
@@ -114,6 +119,7 @@ def _orchestrator(
     rng: random.Random,
     clock: Callable[[], float],
 ) -> Orchestrator:
+    room = _leg_room(config, core.admission, clock)
     legs = Legs(
         connector=core.connector,
         client=core.client,
@@ -121,7 +127,9 @@ def _orchestrator(
         verdicts=Verdicts(core.outliers, core.registry, core.metrics),
         metrics=core.metrics,
         kv_check=scheduler.verify_prefill if scheduler.kv_events else None,
+        room=room,
     )
+    flow = core.admission if config.tenants.enabled else None
     return Orchestrator(
         registry=core.registry,
         scheduler=scheduler,
@@ -136,6 +144,30 @@ def _orchestrator(
         lora=_lora_on_demand(config, core, scheduler, clock),
         first_token=config.first_token_from_prefill,
         prompt_tokens=_prompt_tokens(config, scheduler, core.metrics),
+        room=room,
+        deadlines=None if flow is None else TtftPredictor(scheduler.speeds, flow.book, clock),
+    )
+
+
+def _admission(
+    config: ProxyConfig, metrics: ProxyMetrics, clock: Callable[[], float]
+) -> Admission | None:
+    if not (config.admission.enabled or config.tenants.enabled):
+        return None
+    return Admission(config.admission, metrics, config.tenants.divided(config.workers), clock)
+
+
+def _leg_room(
+    config: ProxyConfig, admission: Admission | None, clock: Callable[[], float]
+) -> LegRoom | None:
+    """Flow control's leg waits: under ``--tenants`` (capacities learned unless given),
+    or wherever ``--prefill-capacity`` / ``--decode-capacity`` is given."""
+    limits = config.admission
+    capacity = {Role.PREFILL: limits.prefill_capacity, Role.DECODE: limits.decode_capacity}
+    if admission is None or not (config.tenants.enabled or any(capacity.values())):
+        return None
+    return LegRoom(
+        capacity=capacity, book=admission.book, max_wait=limits.queue_timeout, clock=clock
     )
 
 
@@ -305,11 +337,7 @@ def _app_state(
         lora=core.lora,
         passthrough=passthrough,
         clock=clock,
-        admission=(
-            Admission(config.admission, core.metrics, config.tenants.divided(config.workers), clock)
-            if config.admission.enabled or config.tenants.enabled
-            else None
-        ),
+        admission=core.admission,
         engine_authorization=_bearer(config.engine_api_key),
     )
     core.metrics.track_in_flight(lambda: state.in_flight)

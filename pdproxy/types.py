@@ -203,6 +203,8 @@ class EngineFigures:
     # requests that are not this proxy's, trusted until ``others_until`` (monotonic).
     others: float = 0.0
     others_until: float = 0.0
+    # Requests it runs at once, learned: the most it ran while others waited (0: unknown).
+    capacity: int = 0
 
 
 @dataclass(slots=True)

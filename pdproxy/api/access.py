@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pdproxy.observability.flow_book import FlowBook
 from pdproxy.observability.log import ACCESS_LOGGER
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import RequestTrace
@@ -20,18 +21,22 @@ access_logger = logging.getLogger(ACCESS_LOGGER)
 
 
 class RequestFinisher:
-    def __init__(self, metrics: ProxyMetrics, *, access_log: bool) -> None:
+    def __init__(
+        self, metrics: ProxyMetrics, *, access_log: bool, book: FlowBook | None = None
+    ) -> None:
         self._metrics = metrics
         self._access_log = access_log
+        self._book = book  # flow control's: deadlines met, predictions' errors
 
     def __call__(self, trace: RequestTrace) -> None:
         trace.finished = finished = time.perf_counter()
         self._metrics.count_request(trace.endpoint, trace.outcome)
         # The client's latency is the engines' answer's: refusals would only blur it.
         if trace.first_byte is not None and 0 < trace.status < 400:
-            self._metrics.observe_request(
-                trace.endpoint, trace.first_byte - trace.started, finished - trace.started
-            )
+            ttfb = trace.first_byte - trace.started
+            self._metrics.observe_request(trace.endpoint, ttfb, finished - trace.started)
+            if trace.ticket is not None and self._book is not None:
+                self._book.answered(trace.ticket, ttfb, trace.predicted_ttft)
         trace.span.end(trace.span_attributes)
         if self._access_log and access_logger.isEnabledFor(logging.INFO):
             # makeRecord + handle: what .info() does, less the caller lookup (a stack walk

@@ -74,6 +74,8 @@ async def status(request: Request) -> Response:
             else state.registry_backend()
         ),
     }
+    if state.admission is not None and state.admission.tenants.enabled:  # --tenants
+        body["flow"] = state.admission.book.status()
     if state.kv_events is not None:  # --kv-events-endpoint: the index and its subscribers
         body["kv_events"] = state.kv_events.status()
     body.update(whole.workers_dict())

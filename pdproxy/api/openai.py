@@ -69,7 +69,8 @@ class ServedEndpoint:
     def __init__(self, state: AppState) -> None:
         self._state = state
         self.hop = Hop.of(state.config.hop_id)
-        self._finish = RequestFinisher(state.metrics, access_log=state.config.access_log)
+        book = state.admission.book if state.admission is not None else None
+        self._finish = RequestFinisher(state.metrics, access_log=state.config.access_log, book=book)
 
     async def answer(self, headers: dict[str, str], receive: Receive) -> Work:
         """Read the request; return what produces its response, and its ticket."""
@@ -88,6 +89,8 @@ class ServedEndpoint:
                 raise LoopDetected("the request came back to this pdproxy: a routing loop")
             _admit(state, headers)
             answer, ticket = await self.answer(headers, receive)
+            if ticket is not DEFAULT_TICKET:
+                trace.ticket = ticket
             trace.outcome = await _serve(state, answer, receive, send, trace, ticket)
         except ProxyError as error:
             trace.outcome = _outcome(error)
@@ -124,9 +127,11 @@ class GenerationEndpoint(ServedEndpoint):
         state = self._state
         request = await self._read_request(headers, receive, state)
         ticket = ticket_for(state, request.body, headers)
-        if ticket.priority and request.body.get("priority") != ticket.priority:
-            body = {**request.body, "priority": ticket.priority}  # the tenant's, for both legs
-            request = dataclasses.replace(request, body=body)
+        if ticket is not DEFAULT_TICKET:
+            body = request.body
+            if ticket.priority and body.get("priority") != ticket.priority:
+                body = {**body, "priority": ticket.priority}  # the tenant's, for both legs
+            request = dataclasses.replace(request, body=body, ticket=ticket)
         render_once = state.render_once
         if render_once is not None and self.kind is not ApiKind.GENERATE:
             return functools.partial(render_once.handle, request), ticket

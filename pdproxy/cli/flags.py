@@ -114,6 +114,27 @@ LISTENER_FLAGS = (
         convert=values.tenants,
     ),
     Flag(
+        names=("--prefill-capacity",),
+        group=LISTENER,
+        help="Requests one prefill instance runs at once; past it, prefill legs wait in"
+        " pdproxy in flow-control order (default under --tenants: learned from each engine's"
+        " /metrics; 0: never wait).",
+        field="admission.prefill_capacity",
+        type=int,
+        default=None,
+        metavar="N",
+    ),
+    Flag(
+        names=("--decode-capacity",),
+        group=LISTENER,
+        help="Requests one decode instance runs at once; past it, decode legs wait in"
+        " pdproxy in flow-control order (default under --tenants: learned; 0: never wait).",
+        field="admission.decode_capacity",
+        type=int,
+        default=None,
+        metavar="N",
+    ),
+    Flag(
         names=("--tenant-header",),
         group=LISTENER,
         help="Header naming a request's tenant when client keys do not (e.g. X-Tenant).",

@@ -43,10 +43,20 @@ class AdmissionConfig:
     max_concurrent: int = 0
     max_queued: int = 0
     queue_timeout: float = 30.0
+    # Requests one prefill (decode) instance runs at once, past which its role's legs wait
+    # in pdproxy (flow control); None: learned from its /metrics; 0: legs never wait.
+    prefill_capacity: int | None = None
+    decode_capacity: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 0 or self.max_queued < 0:
             raise ConfigError("--max-concurrent-requests and --max-queued-requests must be >= 0")
+        for name, value in (
+            ("--prefill-capacity", self.prefill_capacity),
+            ("--decode-capacity", self.decode_capacity),
+        ):
+            if value is not None and not 0 <= value <= 1_000_000:
+                raise ConfigError(f"{name} must be between 0 and 1000000")
         if self.queue_timeout <= 0:
             raise ConfigError("--queue-timeout-secs must be positive")
         if self.max_queued and not self.max_concurrent:

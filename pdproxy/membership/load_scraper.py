@@ -28,6 +28,7 @@ from pdproxy.wire import engine_stats
 logger = logging.getLogger(__name__)
 
 _PATH = "/metrics"
+_MAX_CAPACITY = 1_000_000  # a capacity learned above this is an engine's lie, not a figure
 _MAX_BODY = 1024 * 1024  # a DP-8 vLLM page is ~0.5 MB; past this it is not a metrics page
 
 
@@ -93,14 +94,7 @@ class LoadScraper:
         self._metrics.count_scrape(ok=True)
         if self._registry.get(endpoint.url) is not endpoint:  # replaced or removed meanwhile
             return
-        # The engine's figures include this proxy's own legs; note how many there were, so
-        # the scheduler adds only the others' load to its live count.
-        load = dataclasses.replace(load, own=float(endpoint.legs.in_flight))
-        endpoint.load.engine_load = load
-        endpoint.load.others, endpoint.load.others_until = (
-            load.others,
-            load.scraped_at + self.max_age,
-        )
+        apply_load(endpoint, load, self.max_age)
         if endpoint.url in self._failing:
             self._failing.discard(endpoint.url)
             logger.info("%s %s: load figures read again", endpoint.role.value, endpoint.url)
@@ -124,3 +118,20 @@ class LoadScraper:
             except Exception:  # the scraper must outlive any one bad scrape
                 logger.exception("engine metrics round failed")
             await asyncio.sleep(self.interval)
+
+
+def apply_load(endpoint: Endpoint, load: EngineLoad, max_age: float) -> None:
+    """``endpoint``'s figures become ``load`` (a scrape's, or under ``--workers`` the
+    owner's): the one rule for both.
+
+    The engine's figures include this proxy's own legs; how many there were is noted, so
+    the scheduler adds only the others' load to its live count. An engine that had
+    requests waiting was running all it can: its running count is a capacity learned
+    (``EngineFigures.capacity``, the largest seen), which flow control's leg waits use.
+    """
+    load = dataclasses.replace(load, own=float(endpoint.legs.in_flight))
+    figures = endpoint.load
+    figures.engine_load = load
+    figures.others, figures.others_until = load.others, load.scraped_at + max_age
+    if load.waiting > 0 and load.running >= 1:
+        figures.capacity = max(figures.capacity, min(int(load.running), _MAX_CAPACITY))

@@ -285,6 +285,48 @@ class ProxyMetrics:
             ("reason",),
             registry=registry,
         )
+        self._define_flow(registry)
+
+    def _define_flow(self, registry: CollectorRegistry) -> None:
+        """Flow control (``--tenants``): who waits where, for how long, who is refused,
+        who meets its deadline, and how good the time-to-first-token prediction is. The
+        ``tenant`` label takes the tenants file's names (and ``default``), ``priority`` its
+        priorities (and 0; any other band is ``other``): bounded by the file."""
+        self.flow_waiting = Gauge(
+            "pdproxy_flow_waiting",
+            "Requests waiting now, by stage (admission, prefill, decode), priority and tenant.",
+            ("stage", "priority", "tenant"),
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.flow_wait_seconds = Histogram(
+            "pdproxy_flow_wait_seconds",
+            "Time requests waited, by stage (admission, prefill, decode), priority and tenant.",
+            ("stage", "priority", "tenant"),
+            registry=registry,
+            buckets=_LEG_BUCKETS,
+        )
+        self.flow_refused = Counter(
+            "pdproxy_flow_refused_total",
+            "Requests refused with 429 by flow control, by tenant and reason (deadline,"
+            " rate_limit, tenant_concurrency, queue_full, queue_timeout).",
+            ("tenant", "reason"),
+            registry=registry,
+        )
+        self.flow_slo = Counter(
+            "pdproxy_flow_slo_total",
+            "Requests with x-slo-ttft-ms that were answered, by tenant, priority and outcome"
+            " (met: first byte within the deadline; missed).",
+            ("tenant", "priority", "outcome"),
+            registry=registry,
+        )
+        self.ttft_prediction_error = Histogram(
+            "pdproxy_ttft_prediction_error_seconds",
+            "How far the predicted time to first token of a request with a deadline was"
+            " from the measured one (absolute), seconds.",
+            registry=registry,
+            buckets=_LEG_BUCKETS,
+        )
 
     def count_request(self, endpoint: str, outcome: str) -> None:
         """Hot path: label children are cached, as ``labels()`` takes a lock per call."""

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdproxy.flow.ticket import Ticket
 from pdproxy.observability.tracing import NULL_REQUEST_SPAN, AttributeValue, LegSpan, RequestSpan
 
 _CURRENT: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
@@ -57,6 +58,8 @@ class RequestTrace:
     bytes_sent: int = 0  # body bytes sent to the client
     answered: bool = False  # the response's last bytes went to the server: nothing can cancel it
     _after_failure: bool = False  # the last leg failed: the next one is a retry
+    ticket: Ticket | None = None  # flow control's view of it (None: none to say)
+    predicted_ttft: float | None = None  # seconds to its first byte, predicted when sent
 
     def prefill_started(
         self, request_id: str, url: str, rank: int | None, headers: dict[str, str]
@@ -104,6 +107,19 @@ class RequestTrace:
             "decode_only": self.decode_only,
             "migrations": self.migrations,
             **self._predicted(),
+            **self._flow(),
+        }
+
+    def _flow(self) -> dict[str, Any]:
+        """Flow control's fields, only for a request it saw (unchanged without)."""
+        ticket = self.ticket
+        if ticket is None:
+            return {}
+        return {
+            "tenant": ticket.tenant,
+            "priority": ticket.priority,
+            "deadline_ms": ticket.deadline_ms,
+            "predicted_ttft_ms": _ms(0.0, self.predicted_ttft),
         }
 
     def _predicted(self) -> dict[str, int]:

@@ -29,6 +29,7 @@ from pdproxy.errors import Overloaded
 from pdproxy.flow.fair_queue import FairQueue
 from pdproxy.flow.limits import TenantLimits
 from pdproxy.flow.ticket import DEFAULT_TICKET, Ticket
+from pdproxy.observability.flow_book import FlowBook
 from pdproxy.observability.metrics import ProxyMetrics
 
 if sys.version_info >= (3, 11):
@@ -74,6 +75,7 @@ class Admission:
         metrics: ProxyMetrics,
         tenants: TenantsConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        book: FlowBook | None = None,
     ) -> None:
         self._limit = config.max_concurrent  # 0: no global limit (tenant limits only)
         self._max_queued = config.max_queued
@@ -81,6 +83,7 @@ class Admission:
         self._metrics = metrics
         self._clock = clock
         self.tenants = tenants if tenants is not None else TenantsConfig()
+        self.book = book if book is not None else FlowBook(metrics, self.tenants)
         self.active = 0
         self._queue: FairQueue[asyncio.Future[None]] = FairQueue()
         self.limits = TenantLimits(clock)
@@ -99,13 +102,14 @@ class Admission:
         """A new tenants file: queued requests keep their place and their tickets; new
         requests and each tenant's limits follow the new file."""
         self.tenants = tenants
+        self.book.reconfigure(tenants)
         self.limits.reconfigure({**tenants.tenants, "default": tenants.default})
 
     async def acquire(self, ticket: Ticket = DEFAULT_TICKET) -> None:
         """Take a slot, waiting in line if allowed; raises ``Overloaded`` otherwise."""
         refusal = self.limits.admit(ticket)
         if refusal is not None:
-            self._metrics.admission_rejected.labels(refusal.reason).inc()
+            self.book.refused(ticket, refusal.reason)
             raise Overloaded(
                 refusal.message,
                 retry_after=refusal.retry_after,
@@ -117,10 +121,12 @@ class Admission:
         except BaseException:
             self.limits.release(ticket)
             raise
+        self.book.admitted(ticket)
 
     def release(self, ticket: Ticket = DEFAULT_TICKET) -> None:
         """Give the slot back, or straight to the first waiter."""
         self.limits.release(ticket)
+        self.book.finished(ticket)
         self._pass_on()
 
     def predicted_wait(self, ticket: Ticket) -> float | None:
@@ -136,7 +142,7 @@ class Admission:
             self.drain.add(ticket.cost)
             return
         if len(self._queue) >= self._max_queued:
-            raise self._refuse("queue_full", "too many requests in flight and queued")
+            raise self._refuse(ticket, "queue_full", "too many requests in flight and queued")
         wait = self._wait
         if ticket.deadline is not None:
             left = ticket.deadline - self._clock()
@@ -146,6 +152,8 @@ class Admission:
             wait = min(wait, left)
         waiter = asyncio.get_running_loop().create_future()
         entry = self._queue.push(ticket, waiter)
+        started = self._clock()
+        self.book.queued("admission", ticket)
         try:
             async with _deadline(wait):
                 await waiter
@@ -153,13 +161,15 @@ class Admission:
             self._queue.remove(entry)
             if ticket.deadline is not None and wait < self._wait:
                 raise self._refuse_deadline(ticket, None) from None
-            raise self._refuse("queue_timeout", "no slot freed in time") from None
+            raise self._refuse(ticket, "queue_timeout", "no slot freed in time") from None
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self._pass_on()  # the slot was handed over as the client left: pass it on
             else:
                 self._queue.remove(entry)
             raise
+        finally:
+            self.book.dequeued("admission", ticket, self._clock() - started)
 
     def _pass_on(self) -> None:
         while (entry := self._queue.pop()) is not None:
@@ -169,12 +179,12 @@ class Admission:
                 return
         self.active -= 1
 
-    def _refuse(self, reason: str, message: str) -> Overloaded:
-        self._metrics.admission_rejected.labels(reason).inc()
+    def _refuse(self, ticket: Ticket, reason: str, message: str) -> Overloaded:
+        self.book.refused(ticket, reason)
         return Overloaded(f"pdproxy is at capacity: {message}; retry later", retry_after=1)
 
     def _refuse_deadline(self, ticket: Ticket, predicted: float | None) -> Overloaded:
-        self._metrics.admission_rejected.labels("deadline").inc()
+        self.book.refused(ticket, "deadline")
         ms = ticket.deadline_ms
         why = (
             f"the predicted wait of {predicted * 1000:.0f} ms"

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdproxy.flow.ticket import DEFAULT_TICKET, Ticket
 from pdproxy.proxying.relay import StreamRelay
 from pdproxy.types import ApiKind
 
@@ -18,6 +19,7 @@ class ClientRequest:
     authorization: str | None
     session: str | None = None  # the --session-header's value (consistent-hash key)
     via: str | None = None  # the Via its legs carry: the client's hops, then this pdproxy's
+    ticket: Ticket = DEFAULT_TICKET  # flow control's view: its legs wait for room by it
 
 
 @dataclass(slots=True)

@@ -37,6 +37,7 @@ from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import RequestTrace, current
 from pdproxy.observability.tracing import LegSpan
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.leg_room import LegRoom
 from pdproxy.proxying.relay import StreamRelay, StreamWatchdog
 from pdproxy.proxying.verdicts import Verdicts
 from pdproxy.types import Endpoint, PairDecision, Role
@@ -66,7 +67,9 @@ class Legs:
         verdicts: Verdicts,
         metrics: ProxyMetrics,
         kv_check: Callable[[PairDecision, Mapping[str, Any]], tuple[int, int] | None] | None = None,
+        room: LegRoom | None = None,
     ) -> None:
+        self._room = room  # flow control: a leg's end lets the next waiting leg of its role go
         # kv-events: the prefill's reported hit against the prediction (None: policy off)
         self._kv_check = kv_check
         self._connector = connector
@@ -130,7 +133,7 @@ class Legs:
             self._abandoned(endpoint, span)
             raise
         finally:
-            leave(endpoint, rank, size.weight, size.tokens)
+            self._leave(endpoint, rank, size.weight, size.tokens)
             trace.prefill_ended = ended = time.perf_counter()
         self._metrics.prefill_seconds.observe(ended - started)
         trace.prefill_answered = ended
@@ -206,14 +209,14 @@ class Legs:
                 return await self._stream(upstream, leg, span, trace)
             response = _whole_answer(upstream, await upstream.read_all(), leg.request_id)
         except ProxyError as error:
-            leave(endpoint, rank)
+            self._leave(endpoint, rank)
             self._failed(at_fault(error, endpoint, leg.pair), error, span, trace)
             raise
         except BaseException:
-            leave(endpoint, rank)
+            self._leave(endpoint, rank)
             self._abandoned(endpoint, span)
             raise
-        leave(endpoint, rank)
+        self._leave(endpoint, rank)
         self._succeeded(endpoint, leg.prefill_answer)
         span.end(None)
         return response
@@ -223,6 +226,13 @@ class Legs:
     ) -> None:
         enter(endpoint, rank, weight, tokens)
         self._metrics.count_leg(endpoint.role.value, endpoint.url)
+
+    def _leave(
+        self, endpoint: Endpoint, rank: int | None, weight: float = 1.0, tokens: float = 0.0
+    ) -> None:
+        leave(endpoint, rank, weight, tokens)
+        if self._room is not None:
+            self._room.freed(endpoint.role)
 
     def _failed(
         self, endpoint: Endpoint, error: ProxyError, span: LegSpan, trace: RequestTrace
@@ -268,7 +278,7 @@ class Legs:
         return ProxyResponse(200, "text/event-stream", leg.request_id, stream=relay)
 
     def _stream_closed(self, leg: _DecodeLeg, relay: StreamRelay, span: LegSpan) -> None:
-        leave(leg.endpoint, leg.rank)
+        self._leave(leg.endpoint, leg.rank)
         failure = relay.failure
         if isinstance(failure, UpstreamError) and failure.leg == "decode":
             self._verdicts.judge(leg.endpoint, failure)

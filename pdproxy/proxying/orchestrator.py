@@ -30,9 +30,11 @@ from pdproxy.errors import UpstreamError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import bind_predicted, bind_request_id
+from pdproxy.proxying.deadlines import TtftPredictor
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.first_token import FirstTokenPath
 from pdproxy.proxying.kv_release import KVRelease
+from pdproxy.proxying.leg_room import LegRoom
 from pdproxy.proxying.legs import Legs, LegSize
 from pdproxy.proxying.lora_demand import LoraOnDemand
 from pdproxy.proxying.migration import MigrationRequested, Migrations
@@ -43,7 +45,7 @@ from pdproxy.resilience.retry import RetryBudget, retry_reason
 from pdproxy.scheduling.scheduler import NO_PREFILL, Scheduler
 from pdproxy.scheduling.speed import computed_tokens
 from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
-from pdproxy.wire.shaping import client_request_id
+from pdproxy.wire.shaping import client_request_id, is_streaming
 
 __all__ = ["ClientRequest", "Orchestrator", "ProxyResponse"]
 
@@ -107,8 +109,12 @@ class Orchestrator:
         lora: LoraOnDemand | None = None,
         first_token: bool = False,
         prompt_tokens: PromptTokens | None = None,
+        room: LegRoom | None = None,
+        deadlines: TtftPredictor | None = None,
     ) -> None:
         self._registry = registry
+        self._room = room  # flow control: each leg waits for an engine with room
+        self._deadlines = deadlines  # flow control: the TTFT predicted against a deadline
         self._prompt_tokens = prompt_tokens  # --tokenizer under kv-events; None: off
         self._lora = lora  # --lora-load-on-demand
         self._scheduler = scheduler
@@ -177,9 +183,14 @@ class Orchestrator:
                 self._outliers.on_abandoned(endpoint)
 
     async def _handle(self, request: ClientRequest, run: _Run) -> ProxyResponse:
+        if self._room is not None:
+            await self._wait_room(Role.PREFILL, request, run)
         decision = self._pick(run)
         if isinstance(decision, DecodeOnly):
             return await self._decode_only(request, run, decision)
+        if self._deadlines is not None and request.ticket.deadline is not None:
+            computed = self._prefill_size(run, decision).tokens
+            self._deadlines.check(request.ticket, decision, computed, is_streaming(request.body))
         transfer = self._connector.begin(decision, request.request_id)
         _log_decision(transfer, "routed")
         answer: dict[str, Any] | None = None
@@ -188,6 +199,8 @@ class Orchestrator:
             try:
                 if self._connector.runs_concurrently(transfer):
                     size = self._prefill_size(run, transfer.decision)
+                    if self._room is not None:
+                        await self._wait_room(Role.DECODE, request, run)
                     return await self._legs.concurrent(request, transfer, size)
                 if answer is None:
                     run.reserve(transfer.decision.decode)
@@ -199,12 +212,17 @@ class Orchestrator:
                         transfer.decision, time.perf_counter() - started, answer, run
                     )
                 run.unreserve()
+                if self._room is not None:
+                    await self._wait_room(Role.DECODE, request, run)
                 decoding = True
                 if self._first_token is not None:
                     early = self._first_token.answer(request, transfer, answer)
                     if early is not None:
                         return early
-                return await self._legs.decode(request, transfer, answer)
+                response = await self._legs.decode(request, transfer, answer)
+                if self._deadlines is not None:
+                    self._deadlines.observe_after_prefill(response.stream is not None)
+                return response
             except UpstreamError as error:
                 failure = error
             except asyncio.CancelledError:
@@ -224,6 +242,17 @@ class Orchestrator:
                 if answer is not None:  # the client left during a backoff
                     self._release.orphaned(request, transfer, answer, failed=None)
                 raise
+
+    async def _wait_room(self, role: Role, request: ClientRequest, run: _Run) -> None:
+        """Flow control: wait, in the tenants' order, until ``role`` has an instance with
+        room for this request's leg (``LegRoom``)."""
+        assert self._room is not None
+        model, avoid = run.features.model, run.avoid if role is Role.DECODE else ()
+
+        def pool() -> tuple[Endpoint, ...]:
+            return self._usable(self._pool(role, model), avoid)
+
+        await self._room.wait(role, pool, request.ticket)
 
     def _observe_prefill(
         self, decision: PairDecision, seconds: float, answer: dict[str, Any], run: _Run
@@ -324,6 +353,8 @@ class Orchestrator:
             prefill=self._usable(snapshot.prefill, ()),
             decode=self._usable(snapshot.decode, run.avoid),
         )
+        if self._room is not None:  # flow control: the instances with room, if any has
+            view = Snapshot(self._room.with_room(view.prefill), self._room.with_room(view.decode))
         decision = self._scheduler.schedule(run.features, view)
         if isinstance(decision, PairDecision):
             self._retries.picked(run, decision.prefill)

@@ -158,6 +158,16 @@ class SpeedTracker:
         ratio = min(max(seconds / expected, _MIN_SLOWNESS), _MAX_SLOWNESS)
         speed.slowness += alpha * (ratio - speed.slowness)
 
+    def prefill_seconds(self, endpoint: Endpoint, tokens: float) -> float | None:
+        """Seconds ``endpoint`` would take to answer a prefill leg of ``tokens`` computed
+        tokens sent now: the fit of its role at ``tokens`` plus the tokens its legs in
+        flight still have to compute (``LegCounts.queued_tokens``: they share its steps),
+        times its slowness. None until the fit has measured legs of about this size."""
+        fit = self._fits.get(endpoint.role)
+        if fit is None or not fit.predicts(tokens):
+            return None
+        return fit.expected(tokens + endpoint.legs.queued_tokens) * endpoint.speed.slowness
+
     def typical(self, role: Role) -> float:
         """The role's fitted seconds per computed token (0.0 before any leg)."""
         fit = self._fits.get(role)

@@ -25,6 +25,8 @@ BASE = ["--prefill", "p:8100", "--decode", "d:8200"]
 SAMPLES: dict[str, list[str]] = {
     "--prefill": ["--prefill", "q:8101", "9000"],
     "--decode": ["--decode", "e:8300"],
+    "--prefill-capacity": ["--prefill-capacity", "8"],
+    "--decode-capacity": ["--decode-capacity", "8"],
     "--kv-connector": ["--kv-connector", "example"],
     "--model": ["--model", "m"],
     "--lora-modules": ["--lora-modules", "sql=/a"],

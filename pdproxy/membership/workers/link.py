@@ -25,7 +25,6 @@ SIGTERM, which drains it like an operator's SIGTERM.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
@@ -38,6 +37,7 @@ import zmq.asyncio
 from pdproxy.config.workers import WorkerSpec
 from pdproxy.errors import AdminError
 from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.membership.load_scraper import apply_load
 from pdproxy.membership.workers.snapshot import (
     EndpointRecord,
     Snapshot,
@@ -255,13 +255,8 @@ class OwnerLink:
         ):
             return
         # The engine's figures count every worker's legs; this worker's own are added live
-        # by the scheduler, so they come off here (as pdproxy.membership.load_scraper does).
-        load = dataclasses.replace(load, own=float(endpoint.legs.in_flight))
-        endpoint.load.engine_load = load
-        endpoint.load.others, endpoint.load.others_until = (
-            load.others,
-            load.scraped_at + self._max_age,
-        )
+        # by the scheduler, so they come off here (the load scraper's own rule).
+        apply_load(endpoint, load, self._max_age)
 
     async def _watch_parent(self) -> None:
         while True:
