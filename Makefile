@@ -64,6 +64,12 @@ fuzz: install
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
+## bench-flow: issue 31's flow-control scenarios (priority, fairness, deadlines, limits) on a
+## 1P1D sim fleet, each beside the same run with flow control off (FLOW_ARGS=--quick: 6 s each).
+.PHONY: bench-flow
+bench-flow: install
+	$(PY) -m bench.flow --json bench/results/flow.json $(FLOW_ARGS)
+
 ## bench-faults: success and switch-over times when one engine of a 2P2D sim fleet fails
 FAULTS_ARGS ?=
 .PHONY: bench-faults

@@ -23,6 +23,7 @@ from pdproxy.build import build_state
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.workers import WorkerSpec
 from pdproxy.errors import ConfigError
+from pdproxy.flow.shared import LimitsFile
 from pdproxy.membership.discovery.shared import require_etcd
 from pdproxy.membership.discovery.zmq import ZmqRegistry
 from pdproxy.membership.workers.link import OwnerLink
@@ -113,6 +114,8 @@ def _follow_owner(state: AppState, worker: WorkerSpec) -> None:
         admin_timeout=_ADMIN_TIMEOUT + config.health.warm_timeout,
     )
     state.registry_backend = state.owner_link.backend_status
+    if state.admission is not None:  # the tenants' limits, exact across the workers
+        state.admission.limits.share(LimitsFile(worker.run_dir.limits, worker.index, worker.count))
     state.exposition = exposition_registry(
         worker.run_dir.metrics, state.registry, state.metrics.registry
     )

@@ -154,7 +154,7 @@ def _admission(
 ) -> Admission | None:
     if not (config.admission.enabled or config.tenants.enabled):
         return None
-    return Admission(config.admission, metrics, config.tenants.divided(config.workers), clock)
+    return Admission(config.admission, metrics, config.tenants, clock)
 
 
 def _leg_room(

@@ -78,8 +78,13 @@ async def status(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return body
 
 
-async def complete(session: aiohttp.ClientSession, url: str, **extra: Any) -> tuple[int, bytes]:
-    async with session.post(url + "/v1/completions", json={**BODY, **extra}) as r:
+async def complete(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> tuple[int, bytes]:
+    async with session.post(url + "/v1/completions", json={**BODY, **extra}, headers=headers) as r:
         return r.status, await r.read()
 
 

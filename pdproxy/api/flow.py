@@ -54,7 +54,7 @@ def reload_tenants(state: AppState) -> str:
         return "no --tenants file to reload"
     path = admission.tenants.path
     try:
-        fresh = load_tenants(path, current.header).divided(state.config.workers)
+        fresh = load_tenants(path, current.header)
     except ConfigError as exc:
         logger.error("tenants file not reloaded, the old one stays: %s", exc)
         raise

@@ -66,39 +66,12 @@ class TenantsConfig:
             or self.default != TenantSpec()
         )
 
-    def divided(self, workers: int) -> TenantsConfig:
-        """Each of ``workers`` processes' part of every limit (``--workers``: each worker
-        admits its own requests; the kernel spreads connections, so the parts add up to
-        the limit within a worker's share of a burst). Rounded up: never 0."""
-        if workers <= 1:
-            return self
-        tenants = {name: _divided(spec, workers) for name, spec in self.tenants.items()}
-        return TenantsConfig(
-            tenants=tenants,
-            default=_divided(self.default, workers),
-            header=self.header,
-            path=self.path,
-        )
-
     def spec(self, tenant: str) -> TenantSpec:
         return self.tenants.get(tenant, self.default)
 
     def known(self, tenant: str) -> str:
         """``tenant`` when the file lists it, else the default tenant's name."""
         return tenant if tenant in self.tenants else DEFAULT_TENANT
-
-
-def _divided(spec: TenantSpec, n: int) -> TenantSpec:
-    def part(limit: int) -> int:
-        return -(-limit // n) if limit else 0
-
-    return TenantSpec(
-        weight=spec.weight,
-        priority=spec.priority,
-        max_concurrent=part(spec.max_concurrent),
-        tokens_per_minute=part(spec.tokens_per_minute),
-        requests_per_minute=part(spec.requests_per_minute),
-    )
 
 
 def load_tenants(path: str, header: str | None = None) -> TenantsConfig:

@@ -29,6 +29,11 @@ class RunDir:
         return f"ipc://{os.path.join(self.path, 'control')}"
 
     @property
+    def limits(self) -> str:
+        """The tenants' limits every worker charges (``pdproxy.flow.shared``)."""
+        return os.path.join(self.path, "limits")
+
+    @property
     def metrics(self) -> str:
         """prometheus_client's multiprocess directory."""
         return os.path.join(self.path, "metrics")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdproxy.config.tenants import TenantSpec
+from pdproxy.flow.shared import Figures, LimitsFile
 from pdproxy.flow.ticket import Ticket
 
 
@@ -53,23 +54,41 @@ class _TenantState:
     spec: TenantSpec
     requests: _Bucket | None
     tokens: _Bucket | None
-    in_flight: int = 0
+    in_flight: int = 0  # every worker's, under --workers
+    own: int = 0  # this process's
 
 
 class TenantLimits:
     """The limit state of each tenant (only tenants with limits; the names come from the
     tenants file or are the default tenant's, so the set is bounded)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], shared: LimitsFile | None = None) -> None:
         self._clock = clock
         self._tenants: dict[str, _TenantState] = {}
+        # --workers: every worker's buckets and in-flight counts, in one file
+        self._shared = shared
+
+    def share(self, shared: LimitsFile) -> None:
+        """From now on the limits hold across every process sharing ``shared``."""
+        self._shared = shared
 
     def admit(self, ticket: Ticket) -> Refusal | None:
         """Charge ``ticket`` to its tenant, or say why not (nothing charged then)."""
         spec = ticket.spec
         if not spec.limited:
             return None
-        state = self._state(ticket.tenant, spec)
+        shared = self._shared
+        if shared is None:
+            return self._admit(ticket, self._state(ticket.tenant, spec))
+        with shared.locked():
+            state = self._state(ticket.tenant, spec)
+            self._pull(shared, ticket.tenant, state)
+            refusal = self._admit(ticket, state)
+            self._push(shared, ticket.tenant, state)
+            return refusal
+
+    def _admit(self, ticket: Ticket, state: _TenantState) -> Refusal | None:
+        spec = ticket.spec
         now = self._clock()
         for bucket in (state.requests, state.tokens):
             if bucket is not None:
@@ -100,6 +119,7 @@ class TenantLimits:
         if state.tokens is not None:
             state.tokens.level -= min(cost, state.tokens.limit)
         state.in_flight += 1
+        state.own += 1
         return None
 
     def release(self, ticket: Ticket) -> None:
@@ -107,8 +127,48 @@ class TenantLimits:
         if not ticket.spec.limited:
             return
         state = self._tenants.get(ticket.tenant)
-        if state is not None and state.in_flight > 0:
+        if state is None or state.own <= 0:
+            return
+        shared = self._shared
+        if shared is None:
             state.in_flight -= 1
+            state.own -= 1
+            return
+        with shared.locked():
+            self._pull(shared, ticket.tenant, state)
+            state.in_flight = max(state.in_flight - 1, 0)
+            state.own -= 1
+            self._push(shared, ticket.tenant, state)
+
+    @staticmethod
+    def _pull(shared: LimitsFile, tenant: str, state: _TenantState) -> None:
+        """``state`` as every worker left it; a bucket whose limit another worker's file
+        changed keeps what was used of it (as ``reconfigure`` does)."""
+        figures = shared.read(tenant)
+        if figures is None:
+            return
+        for bucket, limit, level, at in (
+            (state.requests, figures.rpm, figures.rpm_level, figures.rpm_at),
+            (state.tokens, figures.tpm, figures.tpm_level, figures.tpm_at),
+        ):
+            if bucket is None or limit <= 0:
+                continue
+            bucket.at = at
+            bucket.level = level if limit == bucket.limit else bucket.limit - (limit - level)
+        state.in_flight = figures.in_flight
+
+    @staticmethod
+    def _push(shared: LimitsFile, tenant: str, state: _TenantState) -> None:
+        r, t = state.requests, state.tokens
+        figures = Figures(
+            r.limit if r else 0.0,
+            r.level if r else 0.0,
+            r.at if r else 0.0,
+            t.limit if t else 0.0,
+            t.level if t else 0.0,
+            t.at if t else 0.0,
+        )
+        shared.write(tenant, figures, state.own)
 
     def headers(self, ticket: Ticket) -> tuple[tuple[str, str], ...]:
         """The ``x-ratelimit-*`` headers of ``ticket``'s tenant now."""
@@ -120,7 +180,7 @@ class TenantLimits:
         for name, state in list(self._tenants.items()):
             spec = specs.get(name)
             if spec is None or not spec.limited:
-                if state.in_flight == 0:
+                if state.own == 0:
                     del self._tenants[name]
                 continue
             fresh = _new_state(spec, self._clock())
@@ -128,7 +188,7 @@ class TenantLimits:
                 if old is not None and new is not None:
                     old.refill(new.at)
                     new.level = new.limit - (old.limit - old.level)  # what it used stays used
-            fresh.in_flight = state.in_flight
+            fresh.in_flight, fresh.own = state.in_flight, state.own
             self._tenants[name] = fresh
 
     def _state(self, tenant: str, spec: TenantSpec) -> _TenantState:
@@ -136,7 +196,7 @@ class TenantLimits:
         if state is None or state.spec != spec:
             fresh = _new_state(spec, self._clock())
             if state is not None:
-                fresh.in_flight = state.in_flight
+                fresh.in_flight, fresh.own = state.in_flight, state.own
             state = self._tenants[tenant] = fresh
         return state
 

@@ -162,11 +162,18 @@ class SpeedTracker:
         """Seconds ``endpoint`` would take to answer a prefill leg of ``tokens`` computed
         tokens sent now: the fit of its role at ``tokens`` plus the tokens its legs in
         flight still have to compute (``LegCounts.queued_tokens``: they share its steps),
-        times its slowness. None until the fit has measured legs of about this size."""
+        times its slowness. None before any leg was measured; where the fit has seen one
+        size only, a bound no linear cost through it exceeds (a prediction errs short, so a
+        deadline is never refused on a guess)."""
         fit = self._fits.get(endpoint.role)
-        if fit is None or not fit.predicts(tokens):
+        if fit is None or fit.n == 0.0:
             return None
-        return fit.expected(tokens + endpoint.legs.queued_tokens) * endpoint.speed.slowness
+        total = tokens + endpoint.legs.queued_tokens
+        if fit.predicts(total):
+            seconds = fit.expected(total)
+        else:  # one size seen, another asked: what no linear cost through it exceeds
+            seconds = min(fit.y, fit.per_token() * total)
+        return seconds * endpoint.speed.slowness
 
     def typical(self, role: Role) -> float:
         """The role's fitted seconds per computed token (0.0 before any leg)."""

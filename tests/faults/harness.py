@@ -219,6 +219,8 @@ async def assert_settled(f: Fleet) -> None:
                     admission.active == 0
                     and admission.queued == 0
                     and all(t.in_flight == 0 for t in admission.limits._tenants.values())
+                    and admission.book.status()["queued"] == 0  # no leg waits for room
+                    and all(t["in_flight"] == 0 for t in admission.book.status()["tenants"].values())
                 )
             )
             and all(

@@ -401,3 +401,59 @@ async def test_an_engine_that_dies_while_requests_queue_for_the_fleet():
         await f.decodes[0].kill()
         all_ok(await driving)  # each queued request is served on the live decode
         await assert_settled(f)
+
+
+# Each leg's own wait (--prefill-capacity / --decode-capacity 1: two legs a role at once on
+# the 2P2D fleet), no global limit: requests wait in pdproxy for an engine with room.
+FLOW_LEGS = {
+    "admission": AdmissionConfig(queue_timeout=10, prefill_capacity=1, decode_capacity=1),
+    "tenants": FLOW["tenants"],
+}
+
+
+def _legs_waiting(f) -> int:
+    return f.state.admission.book.status()["queued"]
+
+
+async def test_clients_that_leave_while_their_legs_wait_for_room_leave_the_line():
+    async with fleet(proxy=FLOW_LEGS, decode_tps=40) as f:
+        async with aiohttp.ClientSession() as s:
+            tasks = [
+                asyncio.create_task(
+                    s.post(
+                        f.proxy.url + "/v1/completions",
+                        json=body(i, stream=i % 2 == 0, chat=False),
+                        headers={"x-tenant": "batch"},
+                    )
+                )
+                for i in range(10)
+            ]
+            await wait_until(lambda: _legs_waiting(f) >= 5, timeout=5, what="legs waiting")
+            for task in tasks[4:]:
+                task.cancel()  # clients that give up while their legs wait (or as they go)
+            for task in tasks[:4]:
+                async with await task as r:
+                    assert r.status == 200 and await r.read()
+            await asyncio.gather(*tasks[4:], return_exceptions=True)
+        all_ok(await drive(f, 8))  # the room they held or waited for is free again
+        await assert_settled(f)
+
+
+async def test_an_engine_that_dies_while_legs_wait_for_room_on_its_role():
+    async with fleet(proxy=FLOW_LEGS, decode_tps=100) as f:
+        driving = asyncio.create_task(drive(f, 24, concurrency=12))
+        await wait_until(lambda: _legs_waiting(f) >= 4, timeout=5, what="legs waiting")
+        await f.decodes[0].kill()
+        all_ok(await driving)  # each waiting leg is served on the live decode
+        await assert_settled(f)
+
+
+async def test_an_engine_that_hangs_while_legs_wait_answers_every_waiter_in_time():
+    async with fleet(proxy=FLOW_LEGS, decode_tps=100) as f:
+        f.decodes[0].set_faults(hang=True)
+        outcomes = await drive(f, 12, concurrency=6)
+        # the hung decode's legs time out (decode headers) and are retried on the other;
+        # the waiters behind them go as those legs end: every request is answered
+        all_ok(outcomes)
+        f.decodes[0].clear_faults()
+        await assert_settled(f)

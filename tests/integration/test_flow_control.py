@@ -280,3 +280,74 @@ async def test_the_tenants_file_reloads_on_the_admin_api_and_sighup_keeping_the_
                 assert d.proxy.state.admission.tenants.spec("t").priority == 4
             assert [(await holder)[0], (await queued)[0]] == [200, 200]
         await _idle(d)
+
+
+async def _flow_waiting(d, stage, n):
+    for _ in range(300):
+        rows = d.proxy.state.admission.book.status()["waiting"]
+        if sum(r["waiting"] for r in rows if r["stage"] == stage) >= n:
+            return rows
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{n} legs never waited at the {stage} stage")
+
+
+async def test_a_batch_job_that_fills_the_decodes_does_not_hold_an_interactive_request():
+    # One decode slot (--decode-capacity 1), no global limit: the batch tenant's requests
+    # finish their prefills and wait for the decode in pdproxy; an interactive request
+    # arriving later gets its prefill at once and the decode before the batch waiters.
+    limits = AdmissionConfig(queue_timeout=10, decode_capacity=1)
+    tenants = _tenants(batch=TenantSpec(priority=10))
+    body = {**BODY, "max_tokens": 15}
+    async with deployment(
+        1, 1, proxy={"admission": limits, "tenants": tenants}, decode_tps=50
+    ) as d:
+        order: list[str] = []
+        async with aiohttp.ClientSession() as s:
+            url = d.proxy.url
+            head = {"x-tenant": "batch"}
+            tasks = [
+                asyncio.create_task(_post(s, url, body, head, order, f"batch{i}")) for i in range(3)
+            ]
+            rows = await _flow_waiting(d, "decode", 2)
+            assert {"stage": "decode", "priority": 10, "tenant": "batch", "waiting": 2} in rows
+            chat = asyncio.create_task(_post(s, url, {**body, "priority": 0}, None, order, "chat"))
+            await _flow_waiting(d, "decode", 3)  # its prefill went past the batch waiters
+            results = await asyncio.gather(*tasks, chat)
+        assert all(r[0] == 200 for r in results), [r[2][:200] for r in results]
+        assert order[1] == "chat", order
+        status = d.proxy.state.admission.book.status()
+        assert status["queued"] == 0 and status["tenants"]["batch"]["admitted"] == 3
+        waited = _metric(
+            d, "pdproxy_flow_wait_seconds_count", stage="decode", priority="10", tenant="batch"
+        )
+        assert waited >= 2
+        assert _metric(
+            d, "pdproxy_flow_waiting", stage="decode", priority="10", tenant="batch"
+        ) == 0
+        await _idle(d)
+
+
+async def test_an_engines_capacity_is_learned_from_its_metrics_and_legs_then_wait_in_pdproxy():
+    from pdproxy.config.resilience import HealthConfig
+
+    limits = AdmissionConfig(queue_timeout=10)
+    health = HealthConfig(engine_metrics_interval=0.05)
+    body = {**BODY, "max_tokens": 20}
+    async with deployment(
+        1,
+        1,
+        proxy={"admission": limits, "tenants": _tenants(), "health": health},
+        decode_tps=50,
+        max_running=1,
+    ) as d:
+        (decode,) = [e for e in d.proxy.state.registry.all() if e.role.value == "decode"]
+        async with aiohttp.ClientSession() as s:
+            url = d.proxy.url
+            # nothing learned yet: three legs go to the engine, which queues two of them
+            first = await asyncio.gather(*(_post(s, url, body) for _ in range(3)))
+            assert decode.load.capacity == 1, "the engine's waiting requests taught it"
+            tasks = [asyncio.create_task(_post(s, url, body)) for _ in range(3)]
+            await _flow_waiting(d, "decode", 1)  # now they wait in pdproxy, in order
+            second = await asyncio.gather(*tasks)
+        assert all(r[0] == 200 for r in [*first, *second])
+        await _idle(d)

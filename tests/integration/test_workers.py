@@ -327,3 +327,23 @@ async def test_a_configuration_only_the_connector_refuses_exits_2_before_any_wor
     text = log.read_text()
     assert "--pd-threshold-tokens and --decode-only-fallback need decodes" in text
     assert "worker 1/2 started" not in text
+
+
+async def test_a_tenants_limits_hold_exactly_across_the_workers(tmp_path):
+    # tokens_per_minute 1000 and ~100 tokens a request: 10 a minute, whichever worker
+    # takes them. Dividing the limit between two workers would let the first serve only
+    # 5, and the second 5 more.
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text('{"metered": {"tokens_per_minute": 1000}}')
+    extra = ("--tenants", str(tenants), "--tenant-header", "X-Tenant")
+    async with workers_tree(tmp_path, extra=extra) as tree:
+        (a, _), (b, _) = await tree.one_of_each()
+        head = {"X-Tenant": "metered"}
+        prompt = "flow " * 72  # ~90 tokens by pdproxy's estimate, and 10 asked for
+        answers = []
+        for _ in range(12):
+            answers.append(await complete(a, tree.url, prompt=prompt, max_tokens=10, headers=head))
+        codes = [code for code, _ in answers]
+        assert codes == [200] * 10 + [429, 429], codes
+        code, body = await complete(b, tree.url, prompt=prompt, max_tokens=10, headers=head)
+        assert code == 429 and b"rate_limit_exceeded" in body  # the other worker's minute too
