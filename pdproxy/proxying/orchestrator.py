@@ -26,7 +26,7 @@ from typing import Any
 
 from pdproxy.config.resilience import RetryConfig
 from pdproxy.connectors import KVConnector, Transfer
-from pdproxy.errors import UpstreamError
+from pdproxy.errors import Overloaded, UpstreamError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import bind_predicted, bind_request_id
@@ -213,7 +213,7 @@ class Orchestrator:
                     )
                 run.unreserve()
                 if self._room is not None:
-                    await self._wait_room(Role.DECODE, request, run)
+                    await self._decode_room(request, run, transfer, answer)
                 decoding = True
                 if self._first_token is not None:
                     early = self._first_token.answer(request, transfer, answer)
@@ -253,6 +253,17 @@ class Orchestrator:
             return self._usable(self._pool(role, model), avoid)
 
         await self._room.wait(role, pool, request.ticket)
+
+    async def _decode_room(
+        self, request: ClientRequest, run: _Run, transfer: Transfer, answer: dict[str, Any]
+    ) -> None:
+        """The decode leg's wait for room, its prefill done: a wait that ends in a 429
+        releases the KV the prefill holds for a decode that will never read it."""
+        try:
+            await self._wait_room(Role.DECODE, request, run)
+        except Overloaded:
+            self._release.orphaned(request, transfer, answer, failed=None)
+            raise
 
     def _observe_prefill(
         self, decision: PairDecision, seconds: float, answer: dict[str, Any], run: _Run

@@ -457,3 +457,24 @@ async def test_an_engine_that_hangs_while_legs_wait_answers_every_waiter_in_time
         all_ok(outcomes)
         f.decodes[0].clear_faults()
         await assert_settled(f)
+
+
+async def test_a_decode_leg_that_waits_past_its_bound_is_a_429_and_frees_the_prefills_kv():
+    # decodes of 1.5 s, one at a time each, and a leg may wait 0.3 s: the requests beyond
+    # the two decoding finish their prefills, wait for a decode, and get 429; the KV each
+    # prefill holds for them is released, not left for its lease.
+    flow = {**FLOW_LEGS, "admission": AdmissionConfig(queue_timeout=0.3, decode_capacity=1)}
+    async with fleet(proxy=flow, decode_tps=20) as f:
+        outcomes = await drive(f, 6, concurrency=6, max_tokens=30)
+        statuses = sorted(o.status for o in outcomes)
+        assert set(statuses) == {200, 429} and statuses.count(429) >= 2, statuses
+        for o in outcomes:
+            if o.status == 429:
+                assert b"no decode instance had room in time" in o.body
+        refused = statuses.count(429)
+        await wait_until(
+            lambda: f.metric("pdproxy_released_kv_total", outcome="released") >= refused,
+            timeout=5,
+            what="the refused requests' KV released",
+        )
+        await assert_settled(f)
