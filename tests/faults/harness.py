@@ -199,6 +199,11 @@ async def drive(
         return list(await asyncio.gather(*(one(session, start + i) for i in range(n))))
 
 
+def _flow_settled(flow: dict[str, Any]) -> bool:
+    """No leg waits for room, no tenant has a request in flight."""
+    return flow["queued"] == 0 and all(t["in_flight"] == 0 for t in flow["tenants"].values())
+
+
 async def assert_settled(f: Fleet) -> None:
     """Nothing in flight anywhere, and nothing left behind (bounded wait)."""
     state = f.state
@@ -219,8 +224,7 @@ async def assert_settled(f: Fleet) -> None:
                     admission.active == 0
                     and admission.queued == 0
                     and all(t.in_flight == 0 for t in admission.limits._tenants.values())
-                    and admission.book.status()["queued"] == 0  # no leg waits for room
-                    and all(t["in_flight"] == 0 for t in admission.book.status()["tenants"].values())
+                    and _flow_settled(admission.book.status())
                 )
             )
             and all(
