@@ -321,9 +321,9 @@ async def test_a_batch_job_that_fills_the_decodes_does_not_hold_an_interactive_r
             d, "pdproxy_flow_wait_seconds_count", stage="decode", priority="10", tenant="batch"
         )
         assert waited >= 2
-        assert _metric(
-            d, "pdproxy_flow_waiting", stage="decode", priority="10", tenant="batch"
-        ) == 0
+        assert (
+            _metric(d, "pdproxy_flow_waiting", stage="decode", priority="10", tenant="batch") == 0
+        )
         await _idle(d)
 
 
