@@ -132,6 +132,31 @@ class FairQueue(Generic[T]):
                 ahead += mine - ticket.cost
         return ahead
 
+    def displace(self, ticket: Ticket) -> Entry[T] | None:
+        """When the queue is full, the entry a newcomer like ``ticket`` takes the place of:
+        one of the least important band's if that band is less important than the
+        newcomer's, else, in the newcomer's own band, one of the tenant waiting with the
+        most tokens when that is another tenant and it holds more than the newcomer's
+        tenant would with it (over their weights). None: the newcomer is the one refused.
+        The entry is removed; its waiter is the caller's to tell."""
+        if not self._bands:
+            return None
+        worst = max(self._bands)
+        if worst < ticket.priority:
+            return None
+        band = self._bands[worst]
+        name, flow = max(band.flows.items(), key=lambda kv: kv[1].tokens / kv[1].weight)
+        if worst == ticket.priority:
+            own = band.flows.get(ticket.tenant)
+            mine = (own.tokens if own is not None else 0.0) + ticket.cost
+            if name == ticket.tenant or flow.tokens / flow.weight <= mine / ticket.spec.weight:
+                return None
+        for _, _, entry in reversed(flow.entries):  # a heap's last leaves: among the latest
+            if not entry.removed:
+                self.remove(entry)
+                return entry
+        return None
+
     def depths(self) -> dict[tuple[int, str], int]:
         """Waiting requests by (priority, tenant)."""
         return {

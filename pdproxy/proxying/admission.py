@@ -142,7 +142,7 @@ class Admission:
             self.drain.add(ticket.cost)
             return
         if len(self._queue) >= self._max_queued:
-            raise self._refuse(ticket, "queue_full", "too many requests in flight and queued")
+            self._make_room(ticket)
         wait = self._wait
         if ticket.deadline is not None:
             left = ticket.deadline - self._clock()
@@ -163,13 +163,29 @@ class Admission:
                 raise self._refuse_deadline(ticket, None) from None
             raise self._refuse(ticket, "queue_timeout", "no slot freed in time") from None
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self._pass_on()  # the slot was handed over as the client left: pass it on
             else:
                 self._queue.remove(entry)
             raise
         finally:
             self.book.dequeued("admission", ticket, self._clock() - started)
+
+    def _make_room(self, ticket: Ticket) -> None:
+        """A full queue: ``ticket`` takes the place of a less important band's entry, or
+        of a tenant's that holds more than its share of the queue; else it is refused.
+        So a flood fills the queue, but cannot keep another tenant out of it."""
+        displaced = self._queue.displace(ticket)
+        if displaced is None:
+            raise self._refuse(ticket, "queue_full", "too many requests in flight and queued")
+        if not displaced.item.done():
+            displaced.item.set_exception(
+                self._refuse(
+                    displaced.ticket,
+                    "queue_full",
+                    "the queue is full and this tenant holds the most of it",
+                )
+            )
 
     def _pass_on(self) -> None:
         while (entry := self._queue.pop()) is not None:

@@ -351,3 +351,25 @@ async def test_an_engines_capacity_is_learned_from_its_metrics_and_legs_then_wai
             second = await asyncio.gather(*tasks)
         assert all(r[0] == 200 for r in [*first, *second])
         await _idle(d)
+
+
+async def test_a_flood_that_fills_the_queue_cannot_keep_another_tenant_out_of_it():
+    limits = AdmissionConfig(max_concurrent=1, max_queued=4, queue_timeout=10)
+    tenants = _tenants(flood=TenantSpec(), quiet=TenantSpec())
+    async with deployment(
+        1, 1, proxy={"admission": limits, "tenants": tenants}, decode_tps=100
+    ) as d:
+        async with aiohttp.ClientSession() as s:
+            url = d.proxy.url
+            head = {"x-tenant": "flood"}
+            floods = [asyncio.create_task(_post(s, url, None, head)) for _ in range(5)]
+            await _queued(d, 4)  # one running, four waiting: the queue is full
+            quiet = await _post(s, url, None, {"x-tenant": "quiet"})
+            results = await asyncio.gather(*floods)
+        assert quiet[0] == 200  # it took the place of one of the flood's
+        statuses = sorted(r[0] for r in results)
+        assert statuses == [200, 200, 200, 200, 429], statuses
+        refused = next(r for r in results if r[0] == 429)
+        assert b"holds the most of it" in refused[2] and refused[1].get("Retry-After")
+        assert _metric(d, "pdproxy_flow_refused_total", tenant="flood", reason="queue_full") == 1
+        await _idle(d)

@@ -123,3 +123,29 @@ def test_tokens_ahead_counts_earlier_bands_and_the_fair_part_of_its_own():
     # of flood's 1,000, as much as its own 50 tokens: the shares interleave
     assert q.tokens_ahead(_t("quiet", cost=50.0)) == 500.0 + 50.0
     assert q.tokens_ahead(_t("flood", cost=100.0)) == 500.0 + 1000.0
+
+
+def test_a_full_queue_displaces_the_heaviest_tenant_not_the_newcomer():
+    q: FairQueue[str] = FairQueue()
+    for i in range(8):
+        q.push(_t("flood"), f"f{i}")
+    q.push(_t("quiet"), "q0")
+    out = q.displace(_t("quiet"))  # quiet holds 10 tokens (20 with it), flood 80
+    assert out is not None and out.ticket.tenant == "flood" and len(q) == 8
+    assert q.displace(_t("flood")) is None  # the heaviest tenant itself is refused
+    even: FairQueue[str] = FairQueue()
+    even.push(_t("a"), "a0")
+    assert even.displace(_t("b")) is None  # b with it would hold as much as a: no one owes
+
+
+def test_a_full_queue_displaces_a_less_important_band_first_and_never_a_more_important():
+    q: FairQueue[str] = FairQueue()
+    q.push(_t("chat", priority=0, cost=1000.0), "c0")
+    q.push(_t("batch", priority=10), "b0")
+    out = q.displace(_t("chat", priority=5))
+    assert out is not None and out.item == "b0"
+    assert q.displace(_t("batch", priority=10)) is None  # only chat's band is left: above it
+    weighted: FairQueue[str] = FairQueue()
+    for _ in range(3):
+        weighted.push(_t("heavy", weight=3.0), "h")
+    assert weighted.displace(_t("light", weight=1.0)) is None  # 30/3 = 10 = light's 10/1
