@@ -86,7 +86,7 @@ def test_the_prediction_is_kept_and_its_error_reported_when_the_first_byte_goes_
 
 
 def test_one_size_seen_bounds_the_prediction_from_below_never_above():
-    clock, speeds, _, predictor, pair = _setup()
+    _, speeds, _, _, pair = _setup()
     speeds.observe(pair.prefill, 1.0, 1000, 1000)  # one size: 1 s for 1,000 tokens
     # 4,000 tokens: a linear cost through (1000, 1 s) with any fixed part takes >= 1 s
     assert speeds.prefill_seconds(pair.prefill, 4000) == pytest.approx(1.0)
