@@ -370,28 +370,35 @@ FLOW = {
 }
 
 
+async def _clients_leave_while_waiting(f, waiting, what: str) -> None:
+    """Ten requests of the batch tenant; once ``waiting(f)`` holds, six of their clients
+    give up (while they wait, or as they go); the four others are answered, then the room
+    they held or waited for serves eight more, and every count is back to 0."""
+    async with aiohttp.ClientSession() as s:
+        tasks = [
+            asyncio.create_task(
+                s.post(
+                    f.proxy.url + "/v1/completions",
+                    json=body(i, stream=i % 2 == 0, chat=False),
+                    headers={"x-tenant": "batch"},
+                )
+            )
+            for i in range(10)
+        ]
+        await wait_until(lambda: waiting(f), timeout=5, what=what)
+        for task in tasks[4:]:
+            task.cancel()
+        for task in tasks[:4]:
+            async with await task as r:
+                assert r.status == 200 and await r.read()
+        await asyncio.gather(*tasks[4:], return_exceptions=True)
+    all_ok(await drive(f, 8))
+    await assert_settled(f)
+
+
 async def test_queued_clients_that_leave_return_their_slots_and_tenants_shares():
     async with fleet(proxy=FLOW, decode_tps=40) as f:
-        async with aiohttp.ClientSession() as s:
-            tasks = [
-                asyncio.create_task(
-                    s.post(
-                        f.proxy.url + "/v1/completions",
-                        json=body(i, stream=i % 2 == 0, chat=False),
-                        headers={"x-tenant": "batch"},
-                    )
-                )
-                for i in range(10)
-            ]
-            await wait_until(lambda: f.state.admission.queued >= 6, timeout=5, what="a queue")
-            for task in tasks[4:]:
-                task.cancel()  # clients that give up while queued (or as they are admitted)
-            for task in tasks[:4]:
-                async with await task as r:
-                    assert r.status == 200 and await r.read()
-            await asyncio.gather(*tasks[4:], return_exceptions=True)
-        all_ok(await drive(f, 8))  # the slots they held or waited for are free again
-        await assert_settled(f)
+        await _clients_leave_while_waiting(f, lambda f: f.state.admission.queued >= 6, "a queue")
 
 
 async def test_an_engine_that_dies_while_requests_queue_for_the_fleet():
@@ -417,26 +424,7 @@ def _legs_waiting(f) -> int:
 
 async def test_clients_that_leave_while_their_legs_wait_for_room_leave_the_line():
     async with fleet(proxy=FLOW_LEGS, decode_tps=40) as f:
-        async with aiohttp.ClientSession() as s:
-            tasks = [
-                asyncio.create_task(
-                    s.post(
-                        f.proxy.url + "/v1/completions",
-                        json=body(i, stream=i % 2 == 0, chat=False),
-                        headers={"x-tenant": "batch"},
-                    )
-                )
-                for i in range(10)
-            ]
-            await wait_until(lambda: _legs_waiting(f) >= 5, timeout=5, what="legs waiting")
-            for task in tasks[4:]:
-                task.cancel()  # clients that give up while their legs wait (or as they go)
-            for task in tasks[:4]:
-                async with await task as r:
-                    assert r.status == 200 and await r.read()
-            await asyncio.gather(*tasks[4:], return_exceptions=True)
-        all_ok(await drive(f, 8))  # the room they held or waited for is free again
-        await assert_settled(f)
+        await _clients_leave_while_waiting(f, lambda f: _legs_waiting(f) >= 5, "legs waiting")
 
 
 async def test_an_engine_that_dies_while_legs_wait_for_room_on_its_role():
