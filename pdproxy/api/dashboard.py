@@ -1,6 +1,6 @@
 """The live fleet dashboard: ``GET /dashboard`` and its data, ``GET /dashboard/data``.
 
-The page is three static files shipped in ``pdproxy/dashboard/`` (HTML, CSS, plain JS, no
+The page is static files shipped in ``pdproxy/dashboard/`` (HTML, CSS, plain JS, no
 build step), served with a Content-Security-Policy that lets it reach its own origin and
 nothing else. It holds no data: it polls ``/dashboard/data`` every second, which needs a
 client key exactly when ``/metrics`` does (``--protect-metrics``).
@@ -61,6 +61,7 @@ ASSETS = {
     "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
     "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
     "/kv_events.js": ("kv_events.js", "text/javascript; charset=utf-8"),
+    "/flow.js": ("flow.js", "text/javascript; charset=utf-8"),
 }
 # The page may load and fetch from its own origin only; nothing inline, nothing else.
 ASSET_HEADERS = {
@@ -149,6 +150,8 @@ class Dashboard:
             "totals": totals_dict(totals),
             # /status's: the index and each engine rank's events (null: not configured)
             "kv_events": None if state.kv_events is None else state.kv_events.status(),
+            # /status's flow section, this process's (null: flow control off)
+            "flow": flow_status(state),
         }
 
     def _proxy(self, now: float, whole: WholeProxy) -> dict[str, Any]:
@@ -185,6 +188,16 @@ class Dashboard:
                 self.sample()
             except Exception:  # the sampler must outlive any one bad read
                 logger.exception("dashboard sample failed")
+
+
+def flow_status(state: AppState) -> dict[str, Any] | None:
+    """``/status``'s ``flow`` section (the queue panel's data), under the same condition:
+    a tenants file or a tenant header (``--tenants``, ``--tenant-header``). It is the
+    answering process's ``FlowBook``: under ``--workers``, one worker's queue."""
+    admission = state.admission
+    if admission is None or not admission.tenants.enabled:
+        return None
+    return admission.book.status()
 
 
 def _static(body: bytes, media_type: str) -> Callable[[], Awaitable[Response]]:

@@ -346,6 +346,7 @@
     renderRole("prefill", data.instances);
     renderRole("decode", data.instances);
     if (window.pdproxyKvEvents) window.pdproxyKvEvents.render(data.kv_events);
+    if (window.pdproxyFlow) window.pdproxyFlow.render(data.flow, data.proxy.worker);
   }
 
   function askForKey() {

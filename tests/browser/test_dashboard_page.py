@@ -2,7 +2,9 @@
 
 The page must show the four instances and live request figures, show a killed decode as
 down within a bounded time, fetch nothing from any origin but pdproxy's, weigh under
-200 KB, and run without a script error. Screenshots land in the test's tmp_path (printed).
+200 KB, and run without a script error. With flow control on, the queue panel shows who
+waits and each tenant's figures, with markup in a tenant's name shown as text. Screenshots
+land in the test's tmp_path (printed).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ async def test_dashboard_shows_the_fleet_live(chromium, tmp_path):
                 )
             assert await text(page, "#readiness") == "ready"
             assert "live" in await text(page, "#live-text")
+            assert await page.is_hidden("[data-flow]")  # flow control off: no queue panel
 
             # Live figures: the requests made before the page opened, with their unit.
             rate = await text(page, '[data-kpi="rate"]')
@@ -139,6 +142,7 @@ async def test_dashboard_shows_the_fleet_live(chromium, tmp_path):
                 "/dashboard/dashboard.css",
                 "/dashboard/dashboard.js",
                 "/dashboard/kv_events.js",
+                "/dashboard/flow.js",
             }
             assert sum(watch.asset_bytes.values()) < PAGE_BUDGET, watch.asset_bytes
         finally:
@@ -190,6 +194,163 @@ async def test_dashboard_shows_each_engine_ranks_kv_events(chromium, tmp_path):
         finally:
             await browser.close()
             f.instance(other).legs.work = 0.0
+
+
+# /status's flow section as the queue panel gets it, names that are markup among them: the
+# brief's example and the shape FlowBook.status() answers.
+FAKE_FLOW = {
+    "tenants_file": "/etc/pdproxy/<b>tenants</b>.yaml",
+    "queued": 12,
+    "waiting": [
+        {"stage": "admission", "priority": 0, "tenant": "interactive", "waiting": 3},
+        {"stage": "prefill", "priority": 10, "tenant": "batch", "waiting": 9},
+        {"stage": "decode", "priority": -5, "tenant": "<img src=x onerror=alert(1)>", "waiting": 1},
+    ],
+    "tenants": {
+        "batch": {
+            "weight": 1.0,
+            "priority": 10,
+            "in_flight": 4,
+            "admitted": 120,
+            "refused": {"rate_limit": 3, "deadline": 0},
+            "slo_met": 0,
+            "slo_missed": 0,
+        },
+        "interactive": {
+            "weight": 3.0,
+            "priority": 0,
+            "in_flight": 2,
+            "admitted": 1234,
+            "refused": {"deadline": 1, "queue_timeout": 2},
+            "slo_met": 39,
+            "slo_missed": 1,
+        },
+        "<img src=x onerror=alert(1)>": {
+            "weight": 0.5,
+            "priority": -5,
+            "in_flight": 1,
+            "admitted": 7,
+            "refused": {"<script>alert(2)</script>": 1},
+            "slo_met": 1999,
+            "slo_missed": 1,
+        },
+        "__proto__": {
+            "weight": 1.0,
+            "priority": 0,
+            "in_flight": 0,
+            "admitted": 0,
+            "refused": {},
+            "slo_met": 5,
+            "slo_missed": 0,
+        },
+    },
+    "prediction": {"samples": 40, "median_error_ms": 35.0},
+}
+
+
+async def rows(page, body: str) -> list[list[str]]:
+    """The text of every cell of ``body``'s rows."""
+    return await page.locator(f"{body} tr").evaluate_all(
+        "rs => rs.map(r => [...r.cells].map(c => c.textContent.trim()))"
+    )
+
+
+async def test_dashboard_shows_the_queue_panel(chromium, tmp_path):
+    """Flow control on, one slot: three requests queued behind the one served show in the
+    waiting table (the hostile tenant's name as text), each tenant's admissions once served;
+    then a fake ``flow`` in the page's data (route) gives every figure of the panel exactly,
+    markup in names and reasons as text; ``flow: null`` hides the panel."""
+    from playwright.async_api import async_playwright
+
+    from tests.integration.test_dashboard import HOSTILE, flow_fleet, hold_the_slot_and_queue
+
+    async with flow_fleet() as f, async_playwright() as pw, aiohttp.ClientSession() as s:
+        browser = await pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = await browser.new_page(viewport={"width": 1440, "height": 900})
+            errors: list[str] = []
+            dialogs: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("dialog", lambda d: dialogs.append(d.message))
+            await page.goto(f.proxy.url + "/dashboard")
+            await page.wait_for_selector("[data-flow]:not([hidden])")
+            assert await rows(page, "[data-flow-waiting]") == [["nobody waits"]]
+
+            # Live: who waits behind the one slot (held 4 s), then each tenant's admissions.
+            tasks = await hold_the_slot_and_queue(f, s, hold_tokens=200)
+            await page.wait_for_selector('[data-flow-waiting] tr[data-tenant="batch"]')
+            assert await rows(page, "[data-flow-waiting]") == [
+                ["admission", "0", HOSTILE, "1"],
+                ["admission", "10", "batch", "2"],
+            ]
+            assert "3 waiting" in await text(page, '[data-summary="flow"]')
+            await page.screenshot(path=tmp_path / "dashboard-queue.png", full_page=True)
+            assert await asyncio.gather(*tasks) == [200] * 4
+            await page.wait_for_function(
+                """() => document.querySelector('[data-summary="flow"]').textContent
+                    .startsWith('0 waiting')"""
+            )
+            await page.wait_for_function(
+                """() => [...document.querySelectorAll('[data-flow-tenants] tr')]
+                    .every(r => r.cells[3].textContent === '0')"""
+            )
+            assert await rows(page, "[data-flow-tenants]") == [
+                [HOSTILE, "2", "0", "0", "1", "0", "—"],
+                ["batch", "1", "10", "0", "2", "0", "—"],
+                ["default", "1", "0", "0", "1", "0", "—"],
+            ]
+            assert "none checked yet" in await text(page, "[data-flow-prediction]")
+
+            # Every figure from a known section, through the page's own poll.
+            async def fake(flow, route):
+                response = await route.fetch()
+                body = await response.json()
+                await route.fulfill(response=response, json={**body, "flow": flow})
+
+            await page.route("**/dashboard/data", lambda route: fake(FAKE_FLOW, route))
+            await page.wait_for_selector('[data-flow-waiting] tr[data-stage="decode"]')
+            hostile = "<img src=x onerror=alert(1)>"
+            assert await rows(page, "[data-flow-waiting]") == [
+                ["admission", "0", "interactive", "3"],
+                ["prefill", "10", "batch", "9"],
+                ["decode", "-5", hostile, "1"],
+            ]
+            assert await rows(page, "[data-flow-tenants]") == [
+                [hostile, "0.5", "-5", "1", "7", "<script>alert(2)</script> 1", "99.9 % of 2,000"],
+                ["__proto__", "1", "0", "0", "0", "0", "100 % of 5"],
+                ["batch", "1", "10", "4", "120", "rate_limit 3", "—"],
+                [
+                    "interactive",
+                    "3",
+                    "0",
+                    "2",
+                    "1,234",
+                    "queue_timeout 2, deadline 1",
+                    "97.5 % of 40",
+                ],
+            ]
+            assert await text(page, '[data-summary="flow"]') == (
+                "12 waiting · 4 tenants · tenants file /etc/pdproxy/<b>tenants</b>.yaml"
+            )
+            assert await text(page, "[data-flow-prediction]") == (
+                "TTFT prediction: median error 35 ms · 40 predictions checked"
+            )
+            # markup stayed text: no element was made of it, nothing ran
+            assert (
+                await page.locator("[data-flow] img, [data-flow] script, [data-flow] b").count()
+                == 0
+            )
+            await page.screenshot(path=tmp_path / "dashboard-queue-fake.png", full_page=True)
+
+            await page.unroute("**/dashboard/data")
+            await page.route("**/dashboard/data", lambda route: fake(None, route))
+            await page.wait_for_selector("[data-flow]", state="hidden")
+            assert not errors, errors
+            assert not dialogs, dialogs
+            print(f"\nqueue panel screenshots in {tmp_path}")
+        finally:
+            await browser.close()
 
 
 async def _trickle(f) -> None:

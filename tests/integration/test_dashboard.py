@@ -1,6 +1,7 @@
 """``GET /dashboard`` and its JSON, ``GET /dashboard/data``, against a 2P2D sim fleet behind
 a real pdproxy: the shape, figures that follow the traffic and an instance that dies, the
-page's own files (weight, CSP, nothing from another origin), ``--no-dashboard`` and keys."""
+page's own files (weight, CSP, nothing from another origin), ``--no-dashboard`` and keys;
+the queue panel's ``flow``: null while flow control is off, ``/status``'s section when on."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import aiohttp
 import pytest
 
 from pdproxy.cli.main import parse_config
-from tests.faults.harness import all_ok, drive, fleet
+from pdproxy.config.listener import AdmissionConfig
+from pdproxy.config.tenants import TenantsConfig, TenantSpec
+from tests.faults.harness import MODEL, all_ok, drive, fleet, wait_until
 
 KEY = "dashboard-test-key"
 PAGE_FILES = (
@@ -20,6 +23,7 @@ PAGE_FILES = (
     "/dashboard/dashboard.css",
     "/dashboard/dashboard.js",
     "/dashboard/kv_events.js",
+    "/dashboard/flow.js",
 )
 PAGE_BUDGET = 200 * 1024  # bytes, the whole page
 # The only absolute URL the page's files may hold: SVG's namespace name, never fetched.
@@ -89,9 +93,10 @@ async def test_data_lists_every_instance_with_its_state():
         assert d["schema"] == 1
         assert set(d) == {
             *("schema", "proxy", "instances", "window", "series", "totals", "models"),
-            "kv_events",
+            *("kv_events", "flow"),
         }
         assert d["kv_events"] is None  # no engine's KV events configured
+        assert d["flow"] is None  # no tenants file nor tenant header: flow control off
         assert d["proxy"]["ready"] is True and d["proxy"]["kv_connector"] == "nixl"
         assert d["proxy"]["in_flight"] == 0 and d["proxy"]["uptime_seconds"] >= 0
         instances = d["instances"]
@@ -283,3 +288,84 @@ async def test_kv_events_rows_come_from_status(tmp_path):
 def _indexed(d: dict) -> bool:
     instances = d["kv_events"]["instances"].values()
     return any(r["self_check"] and r["indexed_blocks"] for r in instances)
+
+
+# A tenant name the tenants file accepts (printable ASCII, no space) that is markup.
+HOSTILE = "<img/src=x/onerror=alert(1)>"
+
+
+def flow_fleet():
+    """One slot (``--max-concurrent-requests 1``) and tenants: ``batch`` at priority 10, the
+    hostile name at weight 2, a tenant header; engines at 50 tokens/s."""
+    tenants = TenantsConfig(
+        tenants={"batch": TenantSpec(priority=10), HOSTILE: TenantSpec(weight=2)},
+        header="x-tenant",
+    )
+    limits = AdmissionConfig(max_concurrent=1, max_queued=20, queue_timeout=10)
+    proxy = {"admission": limits, "tenants": tenants}
+    return fleet(n_prefill=1, n_decode=1, proxy=proxy, decode_tps=50)
+
+
+async def complete(s: aiohttp.ClientSession, url: str, max_tokens: int, tenant: str | None = None):
+    headers = {} if tenant is None else {"x-tenant": tenant}
+    # streamed: the holder's tokens keep coming, within the fleet's 2 s read timeout
+    body = {"model": MODEL, "prompt": "who waits", "max_tokens": max_tokens, "stream": True}
+    async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
+        await r.read()
+        return r.status
+
+
+async def hold_the_slot_and_queue(
+    f, s: aiohttp.ClientSession, hold_tokens: int = 100
+) -> list[asyncio.Task]:
+    """A default request holding the one slot for ``hold_tokens`` at 50 tokens/s (2 s), and
+    queued behind it two of ``batch`` and one of the hostile tenant."""
+    url, admission = f.proxy.url, f.state.admission
+    tasks = [asyncio.create_task(complete(s, url, hold_tokens))]
+    await wait_until(lambda: admission.active == 1, timeout=5, what="the slot taken")
+    for tenant in ("batch", "batch", HOSTILE):
+        tasks.append(asyncio.create_task(complete(s, url, 2, tenant)))
+    await wait_until(lambda: admission.queued == 3, timeout=5, what="three requests queued")
+    return tasks
+
+
+async def test_flow_is_status_flow_with_who_waits_and_each_tenant():
+    """While one request holds the only slot and three wait: ``flow`` is ``/status``'s
+    section, a row per (stage, priority, tenant) that waits; once all are served, each
+    tenant's admissions, nothing in flight or waiting, no prediction checked."""
+    async with flow_fleet() as f, aiohttp.ClientSession() as s:
+        tasks = await hold_the_slot_and_queue(f, s)
+        d = await data(s, f.proxy.url)
+        async with s.get(f.proxy.url + "/status") as r:
+            status = (await r.json())["flow"]
+
+        flow = d["flow"]
+        assert flow == status
+        assert set(flow) == {"tenants_file", "queued", "waiting", "tenants", "prediction"}
+        assert flow["tenants_file"] is None and flow["queued"] == 3
+        assert flow["waiting"] == [
+            {"stage": "admission", "priority": 0, "tenant": HOSTILE, "waiting": 1},
+            {"stage": "admission", "priority": 10, "tenant": "batch", "waiting": 2},
+        ]
+        assert flow["tenants"]["default"]["in_flight"] == 1  # the one holding the slot
+
+        assert await asyncio.gather(*tasks) == [200] * 4
+        d = await eventually(
+            s, f.proxy.url, lambda d: d["flow"]["tenants"]["batch"]["in_flight"] == 0, timeout=3
+        )
+        flow = d["flow"]
+        assert flow["queued"] == 0 and flow["waiting"] == []
+        assert set(flow["tenants"]) == {"batch", "default", HOSTILE}
+        assert flow["tenants"]["batch"] == {
+            "weight": 1.0,
+            "priority": 10,
+            "in_flight": 0,
+            "admitted": 2,
+            "refused": {},
+            "slo_met": 0,
+            "slo_missed": 0,
+        }
+        hostile = flow["tenants"][HOSTILE]
+        assert hostile["weight"] == 2.0 and hostile["admitted"] == 1
+        assert flow["tenants"]["default"]["admitted"] == 1
+        assert flow["prediction"] == {"samples": 0, "median_error_ms": None}
