@@ -31,7 +31,7 @@ from prometheus_client.samples import Sample
 
 import pdproxy
 from pdproxy.api.errors import json_response
-from pdproxy.api.info import WholeProxy, describe, model_pools, whole_proxy
+from pdproxy.api.info import WholeProxy, describe, flow_status, model_pools, whole_proxy
 from pdproxy.api.state import AppState
 from pdproxy.errors import Unauthorized
 from pdproxy.observability.fleet_view import (
@@ -188,16 +188,6 @@ class Dashboard:
                 self.sample()
             except Exception:  # the sampler must outlive any one bad read
                 logger.exception("dashboard sample failed")
-
-
-def flow_status(state: AppState) -> dict[str, Any] | None:
-    """``/status``'s ``flow`` section (the queue panel's data), under the same condition:
-    a tenants file or a tenant header (``--tenants``, ``--tenant-header``). It is the
-    answering process's ``FlowBook``: under ``--workers``, one worker's queue."""
-    admission = state.admission
-    if admission is None or not admission.tenants.enabled:
-        return None
-    return admission.book.status()
 
 
 def _static(body: bytes, media_type: str) -> Callable[[], Awaitable[Response]]:

@@ -74,12 +74,23 @@ async def status(request: Request) -> Response:
             else state.registry_backend()
         ),
     }
-    if state.admission is not None and state.admission.tenants.enabled:  # --tenants
-        body["flow"] = state.admission.book.status()
+    flow = flow_status(state)
+    if flow is not None:
+        body["flow"] = flow
     if state.kv_events is not None:  # --kv-events-endpoint: the index and its subscribers
         body["kv_events"] = state.kv_events.status()
     body.update(whole.workers_dict())
     return json_response(body)
+
+
+def flow_status(state: AppState) -> dict[str, Any] | None:
+    """``/status``'s ``flow`` section (the dashboard's queue panel too), under a tenants
+    file or a tenant header (``--tenants``, ``--tenant-header``); None without. It is the
+    answering process's ``FlowBook``: under ``--workers``, one worker's queue."""
+    admission = state.admission
+    if admission is None or not admission.tenants.enabled:
+        return None
+    return admission.book.status()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ After the prefill answered, ``FirstTokenPath.answer`` decides (``pdproxy.wire.fi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -67,14 +68,7 @@ class FirstTokenPath:
             self._release.orphaned(request, transfer, prefill, failed=None)
             whole = ended_stream(token, includes_usage(request.body))
             return self._response(transfer, _Spliced(whole, None))
-        continued = ClientRequest(
-            request.kind,
-            continued_body(request.body, token.token),
-            request.request_id,
-            request.authorization,
-            request.session,
-            request.via,
-        )
+        continued = dataclasses.replace(request, body=continued_body(request.body, token.token))
         opening = asyncio.ensure_future(self._legs.decode(continued, transfer, prefill))
         return self._response(transfer, _Spliced(first_chunk(token), opening))
 

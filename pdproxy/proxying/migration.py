@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdproxy.errors import EngineErrorEvent, ProxyError, UpstreamError, UpstreamTimeout
 from pdproxy.observability.metrics import ProxyMetrics
@@ -115,13 +115,14 @@ class Migrations:
         request = state.request
         body = continuation_body(request.kind, request.body, state.generated)
         state.migrations += 1
-        continued = ClientRequest(
-            request.kind,
-            body,
-            _continued_id(request.request_id, state.migrations),
-            request.authorization,
-            request.session,
-            request.via,
+        # its legs wait for room in its tenant's order, but its deadline was the first
+        # token's, long met: a continuation is never refused for it
+        ticket = replace(request.ticket, deadline=None, deadline_ms=None)
+        continued = replace(
+            request,
+            body=body,
+            request_id=_continued_id(request.request_id, state.migrations),
+            ticket=ticket,
         )
         try:
             response = await self._serve(continued, frozenset(state.avoid))

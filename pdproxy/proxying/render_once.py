@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -173,13 +174,8 @@ class RenderOnce:
         await self._fingerprints.learn(
             decodes, str(request.body.get(MODEL)), request.authorization, request.via
         )
-        generate = ClientRequest(
-            ApiKind.GENERATE,
-            generate_body(request.body, rendered),
-            request.request_id,
-            request.authorization,
-            request.session,
-            request.via,
+        generate = dataclasses.replace(
+            request, kind=ApiKind.GENERATE, body=generate_body(request.body, rendered)
         )
         response = await self._orchestrator.handle(generate)
         try:

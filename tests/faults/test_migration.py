@@ -288,3 +288,30 @@ async def test_a_decode_killed_mid_stream_migrates_and_the_stream_is_whole(kind)
         assert_same(await running, want, kind, True)
         assert migrated(f) >= 1
         await assert_settled(f)
+
+
+async def test_a_stream_with_a_deadline_already_met_still_migrates_after_it():
+    # x-slo-ttft-ms is the first token's deadline: once met, a continuation after it has
+    # passed keeps its tenant's order but is never refused for it.
+    from types import MappingProxyType
+
+    from pdproxy.config.tenants import TenantsConfig, TenantSpec
+
+    tenants = TenantsConfig(tenants=MappingProxyType({"t": TenantSpec()}), header="x-tenant")
+    head = {"x-tenant": "t", "x-slo-ttft-ms": "400"}
+    async with fleet(proxy={"tenants": tenants}, decode_tps=20) as f:
+        async with aiohttp.ClientSession(headers=head) as session:
+            url = f.proxy.url
+            want = [
+                await stream(session, url, "completions", payload(i, "completions"))
+                for i in range(4)
+            ]  # the prefills' speed is measured: predictions run
+            f.decodes[0].set_faults(close_after_tokens=8)  # at ~0.4 s and more: past 400 ms
+            got = [
+                await stream(session, url, "completions", payload(i, "completions"))
+                for i in range(4)
+            ]
+        assert_same(got, want, "completions", False)
+        assert migrated(f) >= 1
+        assert f.metric("pdproxy_flow_refused_total", tenant="t", reason="deadline") == 0
+        await assert_settled(f)
