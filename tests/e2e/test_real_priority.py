@@ -14,6 +14,7 @@ does not.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator
 from types import MappingProxyType
@@ -23,6 +24,7 @@ import orjson
 import pytest
 
 from engines.vllm.lifecycle import EnginePair, vllm_engines
+from pdproxy.config.listener import AdmissionConfig
 from pdproxy.config.tenants import TenantsConfig, TenantSpec
 from tests.e2e.test_real_nixl import isolated, proxy_config
 from tests.servers import running_proxy
@@ -88,8 +90,9 @@ async def test_priority_orders_the_decode_engines_queue_and_leaves_answers_uncha
         tenants=MappingProxyType({"batch": TenantSpec(priority=10)}),
         header="x-tenant",
     )
-    config = proxy_config(pair)
-    config = type(config)(**{**_fields(config), "tenants": tenants})
+    # pdproxy's own leg waits off (capacity 0): the order can only be the engine's
+    admission = AdmissionConfig(prefill_capacity=0, decode_capacity=0)
+    config = dataclasses.replace(proxy_config(pair), tenants=tenants, admission=admission)
     long = _body(pair, "The long one: " + "tick " * 20, 96)
     low_text, high_text = "Low priority: " + "tock " * 20, "High priority: " + "tack " * 20
     async with running_proxy(config) as proxy, aiohttp.ClientSession() as session:
@@ -119,9 +122,3 @@ async def test_priority_orders_the_decode_engines_queue_and_leaves_answers_uncha
         )
         assert order == ["high", "low"], "the tenant's priority did not reach the decode engine"
         assert texts == {"low": alone_low, "high": alone_high}
-
-
-def _fields(config) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
