@@ -94,10 +94,6 @@ class Admission:
     def queued(self) -> int:
         return len(self._queue)
 
-    def depths(self) -> dict[tuple[int, str], int]:
-        """Waiting requests by (priority, tenant)."""
-        return self._queue.depths()
-
     def reload(self, tenants: TenantsConfig) -> None:
         """A new tenants file: queued requests keep their place and their tickets; new
         requests and each tenant's limits follow the new file."""

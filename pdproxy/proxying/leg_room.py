@@ -62,10 +62,6 @@ class LegRoom:
     def waiting(self, role: Role) -> int:
         return len(self._queues[role])
 
-    def depths(self, role: Role) -> dict[tuple[int, str], int]:
-        """``role``'s waiting legs by (priority, tenant)."""
-        return self._queues[role].depths()
-
     def capacity_of(self, endpoint: Endpoint) -> int:
         """Requests ``endpoint`` runs at once (0: unknown, never full)."""
         fixed = self._capacity.get(endpoint.role)
