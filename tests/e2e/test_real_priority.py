@@ -73,7 +73,7 @@ async def _order(
     """A long request occupies the decode; then ``low`` (priority 10), then ``high``
     (priority 0); returns the order the two finished in and their texts."""
     blocker = asyncio.create_task(_complete(session, url, long))
-    await asyncio.sleep(1.0)  # its decode runs: the next two wait in the decode's queue
+    await asyncio.sleep(0.5)  # its decode runs (~2.5 s): the next two wait in the decode's queue
     first = asyncio.create_task(_complete(session, url, *low))
     await asyncio.sleep(0.3)
     second = asyncio.create_task(_complete(session, url, *high))
@@ -93,7 +93,7 @@ async def test_priority_orders_the_decode_engines_queue_and_leaves_answers_uncha
     # pdproxy's own leg waits off (capacity 0): the order can only be the engine's
     admission = AdmissionConfig(prefill_capacity=0, decode_capacity=0)
     config = dataclasses.replace(proxy_config(pair), tenants=tenants, admission=admission)
-    long = _body(pair, "The long one: " + "tick " * 20, 96)
+    long = _body(pair, "The long one: " + "tick " * 20, 300)
     low_text, high_text = "Low priority: " + "tock " * 20, "High priority: " + "tack " * 20
     async with running_proxy(config) as proxy, aiohttp.ClientSession() as session:
         url = proxy.url
@@ -107,7 +107,7 @@ async def test_priority_orders_the_decode_engines_queue_and_leaves_answers_uncha
             url,
             (_body(pair, low_text, 8, priority=10), None),
             (_body(pair, high_text, 8, priority=0), None),
-            _body(pair, "The long one: " + "tick " * 20, 96),
+            _body(pair, "The long one: " + "tick " * 20, 300),
         )
         assert order == ["high", "low"], "the decode engine did not order by the body's priority"
         assert texts == {"low": alone_low, "high": alone_high}
