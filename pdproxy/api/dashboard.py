@@ -60,6 +60,7 @@ ASSETS = {
     "": ("index.html", "text/html; charset=utf-8"),
     "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
     "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "/dom.js": ("dom.js", "text/javascript; charset=utf-8"),
     "/kv_events.js": ("kv_events.js", "text/javascript; charset=utf-8"),
     "/flow.js": ("flow.js", "text/javascript; charset=utf-8"),
 }

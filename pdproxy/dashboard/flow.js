@@ -8,16 +8,7 @@
 (function () {
   const MAX_ROWS = 100; // per table; the JSON has them all
 
-  function el(tag, attrs, children) {
-    const node = document.createElement(tag);
-    for (const [k, v] of Object.entries(attrs || {})) {
-      if (k === "text") node.textContent = v;
-      else if (k === "class") node.className = v;
-      else node.setAttribute(k, v);
-    }
-    for (const child of children || []) node.append(child);
-    return node;
-  }
+  const el = window.PdproxyDom.el; // dom.js
 
   function count(n) {
     return typeof n === "number" && Number.isFinite(n) ? n.toLocaleString("en-US") : "—";

@@ -6,16 +6,7 @@
 "use strict";
 
 (function () {
-  function el(tag, attrs, children) {
-    const node = document.createElement(tag);
-    for (const [k, v] of Object.entries(attrs || {})) {
-      if (k === "text") node.textContent = v;
-      else if (k === "class") node.className = v;
-      else node.setAttribute(k, v);
-    }
-    for (const child of children || []) node.append(child);
-    return node;
-  }
+  const el = window.PdproxyDom.el; // dom.js
 
   // [badge, class]: why the rank is, or is not, scored from its events
   function scoredBy(r) {

@@ -141,6 +141,7 @@ async def test_dashboard_shows_the_fleet_live(chromium, tmp_path):
                 "/dashboard",
                 "/dashboard/dashboard.css",
                 "/dashboard/dashboard.js",
+                "/dashboard/dom.js",
                 "/dashboard/kv_events.js",
                 "/dashboard/flow.js",
             }

@@ -22,6 +22,7 @@ PAGE_FILES = (
     "/dashboard",
     "/dashboard/dashboard.css",
     "/dashboard/dashboard.js",
+    "/dashboard/dom.js",
     "/dashboard/kv_events.js",
     "/dashboard/flow.js",
 )
