@@ -19,19 +19,28 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## run: pdproxy in front of one prefill and one decode (ENGINES=real|sim), until Ctrl-C
+## run: pdproxy in front of one prefill and one decode (ENGINES=real|sim, CONNECTOR=nixl|nixl-push), until Ctrl-C
 run: install
-	$(PY) -m engines.demo --engines $(ENGINES)
+	$(PY) -m engines.demo --engines $(ENGINES) --connector $(CONNECTOR)
 
 ## test: every tier, the real-engine one included (it installs vLLM's CPU build on first use,
 ## and the Debian tools of the browser, deploy and etcd tiers where it can: tests/install-tools.sh)
+## The tiers without real engines run on two xdist workers, a whole file each (their servers
+## are on loopback with free ports; their figures are relative to a baseline taken in the
+## same test, so a neighbour's load cannot fail them); the real-engine tier runs alone after
+## (its engines are pinned to the cores, and a test's timing is against its own engines).
+## Both run even when the first fails; "no tests collected" (exit 5) is no failure.
+FAST_TIER := -m "not real_engine" -n 2 --dist loadfile
 test: install
 	@bash tests/install-tools.sh
-	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
+	@fast=0; real=0; \
+	$(PY) -m pytest $(FAST_TIER) --durations=20 $(PYTEST_ARGS) || fast=$$?; \
+	$(PY) -m pytest -m real_engine --durations=20 $(PYTEST_ARGS) || real=$$?; \
+	for rc in $$fast $$real; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done
 
 ## test-fast: unit and loopback tiers only, no real vLLM engines
 test-fast: install
-	$(PY) -m pytest -m "not real_engine" $(PYTEST_ARGS)
+	$(PY) -m pytest $(FAST_TIER) $(PYTEST_ARGS)
 
 check: install
 	$(VENV)/bin/ruff format --check pdproxy engines tests bench
@@ -103,6 +112,12 @@ FIRST_TOKEN_ARGS ?=
 .PHONY: bench-first-token
 bench-first-token: install engines-smollm2
 	$(PY) -m bench.first_token $(FIRST_TOKEN_ARGS)
+
+## bench-push: nixl-push's both legs at once against the prefill first, on the real CPU push pair (SmolLM2), same run
+PUSH_ARGS ?=
+.PHONY: bench-push
+bench-push: install engines-smollm2
+	$(PY) -m bench.push $(PUSH_ARGS)
 
 ## bench-workers: --workers 1 against 2, same run: req/s, CPU per request and stream, memory, added TTFT (WORKERS_ARGS=--rounds 1)
 WORKERS_ARGS ?=

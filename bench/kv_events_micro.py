@@ -12,7 +12,8 @@ import timeit
 from engines.sim.kv_events import stored
 from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.scheduling.context import Context, RequestFeatures
-from pdproxy.scheduling.kv_events import KVIndex, block_keys, decode_batch, instance_name
+from pdproxy.scheduling.kv_events import KVIndex, decode_batch
+from pdproxy.scheduling.kv_keys import block_keys, instance_name
 from pdproxy.scheduling.policies import RolePolicy, build_policy
 from pdproxy.types import Endpoint, EngineAddress, Role, Source
 

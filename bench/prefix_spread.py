@@ -17,7 +17,8 @@ from collections import OrderedDict
 
 from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.scheduling.context import Context, RequestFeatures
-from pdproxy.scheduling.kv_events import Event, KVIndex, Removed, Stored, instance_name
+from pdproxy.scheduling.kv_events import Event, KVIndex, Removed, Stored
+from pdproxy.scheduling.kv_keys import instance_name
 from pdproxy.scheduling.pickers import MaxScorePicker
 from pdproxy.scheduling.policies import RolePolicy, build_policy
 from pdproxy.types import Endpoint, EngineAddress, Role, Source

@@ -15,7 +15,8 @@ import asyncio
 import time
 from typing import Any
 
-from pdproxy.proxying.relay import StreamRelay, StreamWatchdog
+from pdproxy.proxying.relay import StreamRelay
+from pdproxy.proxying.watchdog import StreamWatchdog
 from pdproxy.upstream.engine_client import UpstreamResponse
 from pdproxy.upstream.http1.connection import Connection
 from pdproxy.upstream.http1.response import Response

@@ -33,6 +33,7 @@ from typing import Any
 
 from bench import anchor as anchors
 from bench import load, phases, report
+from bench.deployment import Deployment, Route
 from bench.loop_probe import lag, probing
 from bench.procs import process, proxy_args, sim_args, tree_cpu_seconds, wait_healthy
 from bench.progress import MODES, Progress
@@ -41,34 +42,6 @@ from bench.variants import BENCH_KEY, Variant, alternate, variant, variant_colum
 from engines.ports import free_port, free_ports
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-@dataclass(frozen=True)
-class Route:
-    """One way to the engines that the load goes through: its name, URL and the pid whose
-    CPU is counted (0: none, the direct connection)."""
-
-    name: str
-    url: str
-    pid: int = 0
-
-
-@dataclass(frozen=True)
-class Deployment:
-    decode_url: str
-    proxy_url: str
-    proxy_pid: int
-    model: str
-    variant_url: str | None = None  # a second pdproxy, configured as the --variant says
-    variant_pid: int = 0
-    anchor_url: str | None = None  # vllm-router in front of the same engines
-    anchor_pid: int = 0
-
-    def paths(self) -> list[Route]:
-        out = [Route("direct", self.decode_url), Route("pdproxy", self.proxy_url, self.proxy_pid)]
-        if self.anchor_url is not None:
-            out.append(Route("vllm-router", self.anchor_url, self.anchor_pid))
-        return out
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,13 @@ import contextlib
 import shlex
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
 from bench import load
+from bench.deployment import Deployment
 from bench.procs import proxy_args, tree_cpu_seconds
-
-if TYPE_CHECKING:
-    from bench.run import Deployment
 
 BENCH_KEY = "sk-bench-5f3c9a1e"
 

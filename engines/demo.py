@@ -59,9 +59,10 @@ def _wait_healthy(
 
 
 @contextlib.contextmanager
-def sim_engines() -> Iterator[Engines]:
+def sim_engines(connector: str) -> Iterator[Engines]:
     p_port, d_port = free_ports(2)
-    common = [sys.executable, "-m", "engines.sim", "--connector", "nixl", "--log-level", "warning"]
+    common = [sys.executable, "-m", "engines.sim", "--connector", connector]
+    common += ["--log-level", "warning"]
     with (
         process([*common, "--role", "prefill", "--port", str(p_port)]) as p,
         process([*common, "--role", "decode", "--port", str(d_port)]) as d,
@@ -70,19 +71,19 @@ def sim_engines() -> Iterator[Engines]:
         for url, proc in zip(urls, (p, d), strict=True):
             _wait_healthy(url, proc)
         _log(f"simulated engines up: prefill {urls[0]}, decode {urls[1]}")
-        yield Engines(urls[0], urls[1], "sim-model", "nixl")
+        yield Engines(urls[0], urls[1], "sim-model", connector)
 
 
 @contextlib.contextmanager
-def real_engines() -> Iterator[Engines]:
+def real_engines(connector: str) -> Iterator[Engines]:
     from engines.vllm.launch import SMOLLM2, vllm_engines
 
     _log(
-        f"starting a real vLLM CPU prefill and decode engine (NIXL) serving {SMOLLM2}; "
+        f"starting a real vLLM CPU prefill and decode engine ({connector}) serving {SMOLLM2}; "
         "the first run installs vLLM and converts the model"
     )
-    with vllm_engines(connector="nixl", model=SMOLLM2) as pair:
-        yield Engines(pair.prefill_url, pair.decode_url, pair.model, "nixl")
+    with vllm_engines(connector=connector, model=SMOLLM2) as pair:
+        yield Engines(pair.prefill_url, pair.decode_url, pair.model, connector)
 
 
 def _kv_tokens(decode_url: str) -> dict[str, float]:
@@ -166,9 +167,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engines", choices=("real", "sim"), default="real")
     parser.add_argument("--port", type=int, default=int(os.environ.get("PDPROXY_PORT", "8000")))
+    # nixl-push: vLLM 0.32's NixlPushConnector (docs/push.md)
+    parser.add_argument("--connector", choices=("nixl", "nixl-push"), default="nixl")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    engines_cm = real_engines() if args.engines == "real" else sim_engines()
+    engines_cm = (real_engines if args.engines == "real" else sim_engines)(args.connector)
     try:
         with engines_cm as engines:
             proxy_url = f"http://127.0.0.1:{args.port}"

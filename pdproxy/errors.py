@@ -11,6 +11,7 @@
     ├── Overloaded            429   past --max-concurrent-requests and its queue (Retry-After)
     ├── LoopDetected          508   the request carries this pdproxy's own hop (Via)
     ├── ModelNotFound         404   no instance serves the request's model (vLLM's 404)
+    ├── RequestIdInUse        409   a push transfer with this X-Request-Id is in flight
     ├── NoEndpointAvailable   503   no routable prefill or decode instance
     │   └── ShuttingDown      503   the proxy is draining
     ├── UpstreamError               an engine leg failed
@@ -143,6 +144,14 @@ class ModelNotFound(ProxyError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{clip(model)}` does not exist.", param="model")
+
+
+class RequestIdInUse(ProxyError):
+    """A push transfer with this ``X-Request-Id`` is in flight: the prefill pairs the legs
+    by id, so two requests sharing one could swap their KV (``--kv-connector nixl-push``)."""
+
+    status = 409
+    error_type = "ConflictError"
 
 
 class NoEndpointAvailable(ProxyError):

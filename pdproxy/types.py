@@ -57,18 +57,24 @@ class BreakerState(str, enum.Enum):
 
 @dataclass(slots=True)
 class EndpointHealth:
-    """Active and passive health of one endpoint; mutated only on the event loop."""
+    """Active and passive health of one endpoint; written by the health book only
+    (``resilience.outlier``'s ``OutlierDetector``: the probes and the legs' verdicts report
+    to it). Mutated only on the event loop."""
 
     probe: ProbeState = ProbeState.HEALTHY
     probe_successes: int = 0  # consecutive
     probe_failures: int = 0  # consecutive
     probe_failed_while_ejected: bool = False
     consecutive_failures: int = 0  # request legs that failed by the instance's fault
+    failures_before_success: int = 0  # what the last success reset (an untrusted answer)
     ejections: int = 0  # in a row, for the doubling; reset when it is back
     ejections_total: int = 0
     ejected_until: float | None = None  # monotonic; None = not ejected
     trial_in_flight: bool = False  # the half-open trial request is running
     overloaded_until: float = 0.0  # monotonic; it answered 429/408: others first until then
+    # monotonic; a push decode leg closed while it waited for KV (its blocks may leak):
+    # out of rotation until its KV usage is seen at 0 (resilience.outlier)
+    stranded_at: float | None = None
 
 
 class Source(str, enum.Enum):
@@ -130,7 +136,8 @@ class EngineLoad:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EndpointIdentity:
     """What an engine instance is, fixed at admission: a re-probe that learns its models
-    or engine ids makes a new identity (``Endpoint.reidentify``), never edits this one."""
+    or engine ids makes a new identity, never edits this one. Set on an ``Endpoint`` by
+    ``membership.identity`` only (its ``reidentify``)."""
 
     role: Role
     address: EngineAddress
@@ -155,8 +162,9 @@ class EndpointIdentity:
 
 @dataclass(slots=True)
 class Presence:
-    """Where an endpoint is in its lifecycle; written by the fleet's registry and by
-    membership (admission, drain, heartbeats) only."""
+    """Where an endpoint is in its lifecycle; written by the fleet's registry only
+    (``fleet.registry``: ``add``, ``set_state``, ``touch``, ``seen``, which membership calls
+    on admission, drain and heartbeats)."""
 
     state: EndpointState = EndpointState.READY
     expires_at: float | None = None  # monotonic deadline; None = never expires
@@ -165,9 +173,10 @@ class Presence:
 
 @dataclass(slots=True)
 class LegCounts:
-    """This proxy's legs on an endpoint; written by the request path only
-    (``proxying.legs``, the orchestrator's reservations, ``proxying.kv_release``, and the
-    verdicts that forget ``kv_sources``). Mutated only on the event loop."""
+    """This proxy's legs on an endpoint; written by ``proxying.leg_counts`` only (``enter``,
+    ``leave``, ``reserve``, ``unreserve``, ``read_from``, ``forget_kv_source(s)``, the last
+    the health book's news that the engine's KV connections are gone); its methods are that
+    module's to call. Mutated only on the event loop."""
 
     in_flight: int = 0
     # Legs in flight weighted by size (a prefill: its prompt over the typical), plus the
@@ -194,8 +203,9 @@ class LegCounts:
 
 @dataclass(slots=True)
 class EngineFigures:
-    """The engine's own load as its ``/metrics`` said it; written by the load scraper only
-    (``membership.load_scraper``, or ``membership.workers.link`` relaying the owner's)."""
+    """The engine's own load as its ``/metrics`` said it; written by the load scraper's
+    ``apply_load`` only (``membership.load_scraper``: its own scrapes, and under
+    ``--workers`` the owner's published figures, which ``membership.workers.link`` hands it)."""
 
     # The figures of its last /metrics scrape; None until one worked.
     engine_load: EngineLoad | None = None
@@ -220,7 +230,9 @@ class Speed:
 class Endpoint:
     """One engine instance as the proxy tracks it: its frozen identity and its live
     figures, each group in a record written by the one component that owns it (see each
-    record's docstring); everyone else reads."""
+    record's docstring; ``tests/unit/test_record_owners.py`` enforces it); everyone else
+    reads. Which record object it holds is set by ``fleet.registry`` (a replacement takes
+    its predecessor's ``LegCounts``) and its identity by ``membership.identity``."""
 
     identity: EndpointIdentity
     presence: Presence = field(default_factory=Presence)
@@ -245,23 +257,6 @@ class Endpoint:
             role=role, address=address, source=source, models=models, engine_ids=engine_ids
         )
         return cls(identity=identity, presence=Presence(state=state))
-
-    def reidentify(
-        self,
-        *,
-        source: Source | None = None,
-        models: tuple[str, ...] | None = None,
-        engine_ids: tuple[str, ...] | None = None,
-    ) -> None:
-        """A probe learned what the instance serves: a new identity, the figures kept."""
-        old = self.identity
-        self.identity = EndpointIdentity(
-            role=old.role,
-            address=old.address,
-            source=old.source if source is None else source,
-            models=old.models if models is None else models,
-            engine_ids=old.engine_ids if engine_ids is None else engine_ids,
-        )
 
     @property
     def role(self) -> Role:

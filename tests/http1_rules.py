@@ -188,6 +188,9 @@ def _body_over_cap(exchange: Exchange, reference: Verdict) -> bool:
     if head is None or not head.complete:
         return False
     lengths = head.values(b"content-length")
+    start = chunked_start(exchange)
+    if start is not None and any(n > BODY_CAP for n, _ in chunk_lines(exchange.data, start).lines):
+        return True  # a chunk announced over the cap
     if _coding(exchange) not in (b"", b"identity"):
         body = _decoded_so_far(exchange)
     elif not head.values(b"transfer-encoding") and len(set(lengths)) == 1:
@@ -241,9 +244,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "body-over-cap",
         f"a body read whole is refused past the pool's max_body ({BODY_CAP} here; issue 19 "
-        "row 11), as soon as a Content-Length announces it, else as its bytes come (so is a "
-        "chunk announced as 0xffffffffffffffff: httptools does not tell a chunk's size, "
-        "docs/security.md); h11 has no cap",
+        "row 11), as soon as a Content-Length or a chunk's size line announces it (the "
+        "chunk sizes are read ahead of httptools, which does not tell them), else as its "
+        "bytes come; h11 has no cap",
         "refuse",
         _body_over_cap,
     ),

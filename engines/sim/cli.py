@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--connector",
         choices=sorted(CONNECTORS),
         default=d.connector,
-        help="KV connector: nixl (pull), moriio (READ pull / WRITE push), p2p-nccl (push), "
+        help="KV connector: nixl (pull), nixl-push (vLLM 0.32 push), moriio (READ pull / WRITE"
+        " push), p2p-nccl (push), "
         "mooncake (bootstrap + pull), all over TCP, or example (shared dir).",
     )
     add(

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from engines.sim.lora import parse_lora_modules
 
 Role = Literal["prefill", "decode", "both"]
-ConnectorName = Literal["nixl", "example", "moriio", "p2p-nccl", "mooncake"]
+ConnectorName = Literal["nixl", "nixl-push", "example", "moriio", "p2p-nccl", "mooncake"]
 RegisterFormat = Literal["p2p", "moriio", "moriio-legacy"]
 TransferMode = Literal["READ", "WRITE"]
 REGISTER_FORMATS = ("p2p", "moriio", "moriio-legacy")

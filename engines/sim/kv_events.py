@@ -124,6 +124,13 @@ class KVEventPublisher:
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
 
+    def publish_raw(self, payload: bytes) -> None:
+        """A numbered batch whose payload is ``payload`` as it is (a hostile publisher's)."""
+        seq = self._seq
+        self._seq += 1
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+
     def restart_sequence(self) -> None:
         """As a restarted engine: numbers from 0, an empty replay buffer."""
         self._seq = 0

@@ -27,6 +27,7 @@ import tomllib
 EXPECTED_PDPROXY = {
     "NixlConnector": "nixl",
     "NixlPullConnector": "nixl",
+    "NixlPushConnector": "nixl-push",
     "MoRIIOConnector": "moriio",
     "MooncakeConnector": "mooncake",
     "LMCacheConnectorV1": "example",

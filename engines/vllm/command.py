@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.vllm.settings import CONNECTORS, HOOKS_DIR, ROLES, Settings
+from engines.vllm.settings import CONNECTORS, HOOKS_DIR, NIXL_CONNECTORS, ROLES, Settings
 
 # Our make variables that look like vLLM's (vLLM warns about unknown VLLM_* variables).
 OUR_VLLM_VARS = ("VLLM_VENV", "VLLM_PYTHON", "VLLM_CPU_VERSION", "VLLM_EXTRA_PIP")
@@ -30,12 +30,21 @@ def kv_transfer_config(
     shared_storage_path: Path | str | None = None,
     kv_lease_duration: int | None = None,
 ) -> dict:
-    """The --kv-transfer-config dict for a prefill (kv_producer) or decode (kv_consumer) engine."""
+    """The --kv-transfer-config dict for a prefill (kv_producer) or decode (kv_consumer) engine.
+
+    No ``engine_id`` is set: vLLM gives each start a fresh uuid, which P's answers carry. A
+    fixed one would leave a push decode talking to a restarted prefill's predecessor (vLLM
+    0.32 keeps the old agent under a known id): every later push to it would hang.
+    """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    if connector == "nixl":
-        cfg: dict = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+    if connector in NIXL_CONNECTORS:
+        cfg: dict = {
+            "kv_connector": NIXL_CONNECTORS[connector],
+            "kv_role": kv_role,
+            "kv_buffer_device": "cpu",
+        }
         if kv_lease_duration is not None:
             cfg["kv_connector_extra_config"] = {"kv_lease_duration": kv_lease_duration}
         return cfg
@@ -143,7 +152,9 @@ def _engine_env(
         # NixlConnector would pin it to the last core of the NUMA node, the same core for the
         # prefill and the decode.
         env[WORKER_CPUS_VAR] = spec.cpu_bind
-    if connector == "nixl":
+    if connector in NIXL_CONNECTORS:
+        # Both roles listen: a pull D handshakes with P, and a push P handshakes back with the
+        # D whose registration names this host and port.
         env.update(
             VLLM_NIXL_SIDE_CHANNEL_HOST=spec.host,
             VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.side_channel_port),

@@ -20,6 +20,7 @@ Command line (used by engines/engines.mk)::
 
     python3 launch.py ensure [--model M]       # venv + model (idempotent)
     python3 launch.py up --connector nixl [--model smollm2-135m-instruct]   # start P and D, wait
+    python3 launch.py up --connector nixl-push    # vLLM's NixlPushConnector (probe_push.py drives it)
     python3 launch.py status
     python3 launch.py down
 
@@ -74,6 +75,7 @@ from engines.vllm.settings import (
     ENGINES_DIR,
     HOOKS_DIR,
     MODELS,
+    NIXL_CONNECTORS,
     ROLES,
     SERVED_MODEL_NAME,
     SMOLLM2,
@@ -95,6 +97,7 @@ __all__ = [
     "ENGINES_DIR",
     "HOOKS_DIR",
     "MODELS",
+    "NIXL_CONNECTORS",
     "ROLES",
     "SERVED_MODEL_NAME",
     "SMOLLM2",

@@ -25,6 +25,7 @@ from engines.vllm.engine import (
 from engines.vllm.process_family import family
 from engines.vllm.settings import (
     CONNECTORS,
+    NIXL_CONNECTORS,
     SERVED_MODEL_NAME,
     EngineError,
     PortInUseError,
@@ -104,7 +105,7 @@ def start_engines(
     _check_prepared(settings, ensure)
     run_dir = Path(run_dir) if run_dir is not None else settings.default_run_dir()
     ports = [prefill_port, decode_port]
-    if connector == "nixl":
+    if connector in NIXL_CONNECTORS:
         ports += [prefill_side_channel_port, decode_side_channel_port]
     _prepare_run_dir(run_dir, ports)
     store = _fresh_store(run_dir, shared_storage_path) if connector == "example" else None
@@ -226,7 +227,7 @@ def _spawn(
         pid=popen.pid,
         log_path=log_path,
         host=spec.host,
-        side_channel_port=spec.side_channel_port if connector == "nixl" else None,
+        side_channel_port=spec.side_channel_port if connector in NIXL_CONNECTORS else None,
         _popen=popen,
     )
     started.append(eng)
@@ -324,7 +325,7 @@ def vllm_engines(
     for attempt in range(1, _PORT_ATTEMPTS + 1):
         spare = iter(free_ports(4))
         options = dict(kwargs)
-        if connector == "nixl":
+        if connector in NIXL_CONNECTORS:
             for key in side_keys:
                 options.setdefault(key, next(spare))
         try:

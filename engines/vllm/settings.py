@@ -13,7 +13,11 @@ from pathlib import Path
 
 ENGINES_DIR = Path(__file__).resolve().parent
 HOOKS_DIR = ENGINES_DIR / "hooks"
-CONNECTORS = ("nixl", "example")
+# The NIXL connectors by launcher name, with vLLM's class for each: both need a NIXL side
+# channel per engine. "nixl" pulls (D reads P's blocks after P answered); "nixl-push" pushes (D
+# registers its blocks with P, which writes into them when it finishes: both legs may run at once).
+NIXL_CONNECTORS = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}
+CONNECTORS = (*NIXL_CONNECTORS, "example")
 ROLES = ("prefill", "decode")
 
 

@@ -31,7 +31,14 @@ from prometheus_client.samples import Sample
 
 import pdproxy
 from pdproxy.api.errors import json_response
-from pdproxy.api.info import WholeProxy, describe, flow_status, model_pools, whole_proxy
+from pdproxy.api.info import (
+    WholeProxy,
+    describe,
+    describe_load,
+    flow_status,
+    model_pools,
+    whole_proxy,
+)
 from pdproxy.api.state import AppState
 from pdproxy.errors import Unauthorized
 from pdproxy.observability.fleet_view import (
@@ -240,19 +247,10 @@ def instance_row(
 
 
 def _engine_load(load: EngineLoad | None, now: float, fresh: bool) -> dict[str, Any] | None:
-    if load is None:
-        return None
-    return {
-        "running": load.running,
-        "waiting": load.waiting,
-        "kv_usage": load.kv_usage,
-        "age_seconds": round(max(0.0, now - load.scraped_at), 3),
-        "fresh": fresh,
-        "ranks": [
-            {"rank": r.rank, "running": r.running, "waiting": r.waiting, "kv_usage": r.kv_usage}
-            for r in load.ranks
-        ],
-    }
+    """``/status``'s rendering of the engine's load, and whether the scheduler still
+    trusts it."""
+    described = describe_load(load, now)
+    return None if described is None else {**described, "fresh": fresh}
 
 
 def totals_dict(totals: Totals) -> dict[str, Any]:

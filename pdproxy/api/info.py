@@ -79,6 +79,9 @@ async def status(request: Request) -> Response:
         body["flow"] = flow
     if state.kv_events is not None:  # --kv-events-endpoint: the index and its subscribers
         body["kv_events"] = state.kv_events.status()
+    push = state.orchestrator.push_status()
+    if push is not None:  # --kv-connector nixl-push
+        body["push"] = push
     body.update(whole.workers_dict())
     return json_response(body)
 
@@ -124,7 +127,7 @@ class WholeProxy:
 def whole_proxy(state: AppState) -> WholeProxy:
     if state.worker_gauges is None or state.owner_link is None:
         queued = state.admission.queued if state.admission is not None else 0
-        return WholeProxy(state.in_flight, queued)
+        return WholeProxy(state.in_flight.count, queued)
     figures = state.worker_gauges.whole()
     spec = state.owner_link.spec
     answering = {"pid": os.getpid(), "index": spec.index, "workers": spec.count}
@@ -161,6 +164,7 @@ def describe(
         "breaker": breaker.value,
         "consecutive_failures": health.consecutive_failures,
         "ejections": health.ejections_total,
+        "stranded": outliers.stranded(endpoint),  # nixl-push: its KV may have leaked
         "in_flight": endpoint.legs.in_flight,
         "last_heartbeat": endpoint.presence.last_seen,
         "zmq_address": address.zmq_address,
@@ -168,12 +172,13 @@ def describe(
         "tp_size": address.tp_size,
         "transfer_mode": address.transfer_mode,
         "models": list(endpoint.models),
-        "engine_load": _describe_load(endpoint.load.engine_load, now),
+        "engine_load": describe_load(endpoint.load.engine_load, now),
     }
 
 
-def _describe_load(load: EngineLoad | None, now: float | None) -> dict[str, Any] | None:
-    """The engine's last scraped figures, however old (``age_s`` says), or None."""
+def describe_load(load: EngineLoad | None, now: float | None) -> dict[str, Any] | None:
+    """The engine's last scraped figures, however old (``age_s`` says), or None: the one
+    rendering of an engine's load, in ``/status`` and (with its freshness) the dashboard."""
     if load is None:
         return None
     return {

@@ -13,45 +13,37 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from pdproxy.api.access import RequestFinisher
 from pdproxy.api.direct import direct_writer, send_together, when_lost
-from pdproxy.api.errors import JSON, error_body, internal_error
+from pdproxy.api.errors import error_body, internal_error
 from pdproxy.api.flow import ticket_for
+from pdproxy.api.request_body import ClientGone, parse_body, read_json_body
 from pdproxy.api.state import AppState
 from pdproxy.errors import (
-    BadRequest,
     LoopDetected,
     Overloaded,
-    PayloadTooLarge,
     ProxyError,
     ShuttingDown,
     Unauthorized,
-    UnsupportedMediaType,
 )
 from pdproxy.flow.ticket import DEFAULT_TICKET, Ticket
 from pdproxy.observability.request_context import RequestTrace, bind, unbind
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.framing import SSE_DONE
 from pdproxy.proxying.lifecycle import Lifecycle
-from pdproxy.proxying.relay import SSE_DONE, StreamRelay
+from pdproxy.proxying.relay import StreamRelay
 from pdproxy.types import ApiKind
-from pdproxy.wire.body_fields import check_body
 from pdproxy.wire.hop import Hop
-from pdproxy.wire.shaping import MESSAGES, MODEL, PROMPT, SAMPLING_PARAMS, TOKEN_IDS, is_token_in
+from pdproxy.wire.shaping import REQUEST_ID_KEY
 
 logger = logging.getLogger(__name__)
 
-
-class _ClientGone(Exception):
-    """The client disconnected before its request body was complete."""
-
-
-_REQUIRED = {ApiKind.COMPLETIONS: PROMPT, ApiKind.CHAT: MESSAGES, ApiKind.GENERATE: TOKEN_IDS}
+_REQUEST_ID_HEADER = REQUEST_ID_KEY.encode("latin-1")  # on every answer
 
 
 Answer = Callable[[], Awaitable[ProxyResponse]]
@@ -78,7 +70,7 @@ class ServedEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self._state
-        state.in_flight += 1
+        state.in_flight.enter()
         headers = _headers(scope)
         path = self.path
         trace = RequestTrace(path, state.tracer.start_request(path, headers))
@@ -95,24 +87,12 @@ class ServedEndpoint:
         except ProxyError as error:
             trace.outcome = _outcome(error)
             await _send_error(send, error, trace)
-        except _ClientGone:
+        except ClientGone:
             trace.outcome = "client_disconnected"
         finally:
-            state.in_flight -= 1
+            state.in_flight.leave()
             self._finish(trace)
             unbind(token)
-
-
-async def read_json_body(headers: dict[str, str], receive: Receive, limit: int) -> bytes:
-    """A JSON request's body, read once with a cap: 415 for another content type, 413 past
-    ``limit`` (declared or read)."""
-    content_type = headers.get("content-type", "")
-    if content_type.split(";", 1)[0].strip().lower() != JSON:
-        raise UnsupportedMediaType("Content-Type must be application/json")
-    declared = headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    return await _read_body(receive, limit)
 
 
 class GenerationEndpoint(ServedEndpoint):
@@ -141,14 +121,14 @@ class GenerationEndpoint(ServedEndpoint):
         self, headers: dict[str, str], receive: Receive, state: AppState
     ) -> ClientRequest:
         raw = await read_json_body(headers, receive, state.config.max_body_bytes)
-        body = _parse_body(raw, self.kind)
+        body = parse_body(raw, self.kind)
         # With an engine key the client's own never reaches an engine; else it passes through.
         upstream_auth = state.engine_authorization or headers.get("authorization")
         session = headers.get(state.config.scheduling.session_header)
         return ClientRequest(
             self.kind,
             body,
-            headers.get("x-request-id"),
+            headers.get(REQUEST_ID_KEY),
             upstream_auth,
             session or None,
             legs_via(self.hop, headers),
@@ -281,7 +261,7 @@ async def _send_response(
     """Write the response; returns the outcome ("ok", or why a stream ended in error)."""
     headers = [
         (b"content-type", response.content_type.encode("latin-1")),
-        (b"x-request-id", response.request_id.encode("latin-1")),
+        (_REQUEST_ID_HEADER, response.request_id.encode("latin-1")),
     ]
     if response.headers:
         headers.extend(response.headers)
@@ -365,49 +345,6 @@ async def _send_error(send: Send, error: ProxyError, trace: RequestTrace) -> Non
             *((k.encode("latin-1"), v.encode("latin-1")) for k, v in error.headers),
         )
     await _send_whole(send, trace, *error_body(error), extra)
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _parse_body(raw: bytes, kind: ApiKind) -> Mapping[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"invalid JSON body: {exc.msg}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if not isinstance(body.get(MODEL), str) or not body[MODEL]:
-        raise BadRequest("'model' is required", param=MODEL)
-    required = _REQUIRED[kind]
-    if required not in body or body[required] in (None, "", []):
-        raise BadRequest(f"'{required}' is required", param=required)
-    # The legs are shaped by the body's shape (shaping.body_kind): a body is token-in
-    # shaped exactly when it came on /inference/v1/generate.
-    if kind is ApiKind.GENERATE and not isinstance(body.get(SAMPLING_PARAMS), dict):
-        raise BadRequest(f"'{SAMPLING_PARAMS}' must be an object", param=SAMPLING_PARAMS)
-    if kind is not ApiKind.GENERATE and is_token_in(body):
-        raise BadRequest(
-            f"'{SAMPLING_PARAMS}' with '{TOKEN_IDS}' is for {ApiKind.GENERATE.path}",
-            param=SAMPLING_PARAMS,
-        )
-    # The fields pdproxy decides on, as vLLM's models read them: a value vLLM would refuse
-    # is refused here, before any leg (the body goes to the engines as the client sent it).
-    check_body(kind, body)
-    return body
 
 
 def _headers(scope: Scope) -> dict[str, str]:

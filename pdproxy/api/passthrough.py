@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import functools
 
-import orjson
 from starlette.types import Receive
 
-from pdproxy.api.openai import ServedEndpoint, Work, legs_via, read_json_body
+from pdproxy.api.openai import ServedEndpoint, Work, legs_via
+from pdproxy.api.request_body import json_object, read_json_body
 from pdproxy.api.state import AppState
-from pdproxy.errors import BadRequest
 from pdproxy.flow.ticket import DEFAULT_TICKET
 from pdproxy.proxying.passthrough import PassthroughRequest
 from pdproxy.wire.routes import PassthroughRoute
+from pdproxy.wire.shaping import REQUEST_ID_KEY
 
 
 class PassthroughEndpoint(ServedEndpoint):
@@ -40,17 +40,12 @@ class PassthroughEndpoint(ServedEndpoint):
         # With an engine key the client's own never reaches an engine; else it passes through.
         upstream_auth = state.engine_authorization or headers.get("authorization")
         session = headers.get(state.config.scheduling.session_header) or None
-        request_id = headers.get("x-request-id")
+        request_id = headers.get(REQUEST_ID_KEY)
         via = legs_via(self.hop, headers)
         if self.route.method == "GET":
             return PassthroughRequest(
                 self.route, None, b"", request_id, upstream_auth, session, via
             )
         raw = await read_json_body(headers, receive, state.config.max_body_bytes)
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"invalid JSON body: {exc.msg}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
+        body = json_object(raw)
         return PassthroughRequest(self.route, body, raw, request_id, upstream_auth, session, via)

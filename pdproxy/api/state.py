@@ -1,10 +1,10 @@
-"""The one typed object the app keeps on ``app.state``; built by ``create_app``."""
+"""What the handlers read: ``AppState``, one pdproxy's services, immutable and complete when
+built (``pdproxy.build.build_state``), and ``InFlight``, the one counter they write."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from pdproxy.api.auth import ClientKeys
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.membership.control_plane import ControlPlane
 from pdproxy.membership.health import HealthChecker
 from pdproxy.membership.kv_fleet import KVEventFleet
 from pdproxy.membership.load_scraper import LoadScraper
@@ -20,7 +21,7 @@ from pdproxy.membership.models import ModelReader
 from pdproxy.membership.workers.link import OwnerLink
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.multiproc import WorkerGauges
-from pdproxy.observability.tracing import NullTracer, Tracer
+from pdproxy.observability.tracing import Tracer
 from pdproxy.proxying.admission import Admission
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.lifecycle import Lifecycle
@@ -32,34 +33,70 @@ from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.upstream.engine_client import EngineClient
 
 
-@dataclass(slots=True)
+class InFlight:
+    """The client requests this process is serving. Its one writer is
+    ``pdproxy.api.openai``'s ``ServedEndpoint.__call__`` (``enter`` as a request arrives,
+    ``leave`` as it ends); the drain (``Lifecycle``), the ``pdproxy_requests_in_flight``
+    gauge and ``/status`` read ``count``."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def enter(self) -> None:
+        self.count += 1
+
+    def leave(self) -> None:
+        self.count -= 1
+
+
+@dataclass(frozen=True, slots=True)
 class AppState:
+    """One pdproxy's services, each built once at start-up; none is replaced afterwards."""
+
     config: ProxyConfig
     registry: EndpointRegistry
     client: EngineClient
     metrics: ProxyMetrics
     orchestrator: Orchestrator
-    membership: Membership
-    health: HealthChecker
+    # what feeds and keeps the membership (started and closed as one); under --workers,
+    # built but run only by the membership owner
+    control: ControlPlane
     outliers: OutlierDetector
     release: KVRelease
     keys: ClientKeys
     lifecycle: Lifecycle
-    loads: LoadScraper  # the engines' /metrics scrapes
-    models: ModelReader  # the engines' /v1/models re-reads
     lora: LoraClient  # vLLM's runtime LoRA API on one instance
     passthrough: Passthrough  # the endpoints served by one decode (pdproxy.wire.routes)
-    clock: Callable[[], float] = time.monotonic
-    admission: Admission | None = None  # None: no --max-concurrent-requests
-    engine_authorization: str | None = None  # "Bearer <--engine-api-key>"
-    in_flight: int = 0  # client requests being served
-    tracer: Tracer = field(default_factory=NullTracer)  # --otlp-traces-endpoint
-    render_once: RenderOnce | None = None  # --render-once
-    kv_events: KVEventFleet | None = None  # --kv-events-endpoint: the engines' KV events
+    clock: Callable[[], float]
+    in_flight: InFlight  # client requests being served: the one mutable part
+    tracer: Tracer  # --otlp-traces-endpoint; NullTracer without it
+    admission: Admission | None  # None: no --max-concurrent-requests
+    engine_authorization: str | None  # "Bearer <--engine-api-key>"
+    render_once: RenderOnce | None  # --render-once
+    kv_events: KVEventFleet | None  # --kv-events-endpoint: the engines' KV events
     # --workers N: this worker's link to the membership owner (the admin API's writes go
     # there) and the multiprocess registry /metrics renders; None in a single process.
-    owner_link: OwnerLink | None = None
-    exposition: CollectorRegistry | None = None
-    worker_gauges: WorkerGauges | None = None
-    # --registry-backend etcd://: the shared registry's state for /status; None in-process
-    registry_backend: Callable[[], dict[str, Any]] | None = None
+    owner_link: OwnerLink | None
+    exposition: CollectorRegistry | None
+    worker_gauges: WorkerGauges | None
+    # --registry-backend etcd://, or the owner's as it publishes it under --workers: the
+    # shared registry's state for /status; None in-process
+    registry_backend: Callable[[], dict[str, Any]] | None
+
+    @property
+    def membership(self) -> Membership:
+        return self.control.membership
+
+    @property
+    def health(self) -> HealthChecker:
+        return self.control.health
+
+    @property
+    def loads(self) -> LoadScraper:  # the engines' /metrics scrapes
+        return self.control.loads
+
+    @property
+    def models(self) -> ModelReader:  # the engines' /v1/models re-reads
+        return self.control.models

@@ -41,6 +41,15 @@ RESILIENCE_FLAGS = (
         type=float,
     ),
     Flag(
+        names=("--push-wait-secs",),
+        group=RESILIENCE,
+        help="nixl-push: seconds a concurrent decode may wait for its KV once its prefill"
+        " answered; past it the decode is taken out until its KV is freed, and the request"
+        " retried.",
+        field="timeouts.push_wait",
+        type=float,
+    ),
+    Flag(
         names=("--retry-budget-ratio",),
         group=RESILIENCE,
         help="Retries allowed as a share of the requests of the last 10 s, fleet-wide.",

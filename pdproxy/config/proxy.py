@@ -30,11 +30,15 @@ KV_CONNECTORS = MappingProxyType(
         "moriio": "pdproxy.connectors.moriio:MoriioConnector",
         "p2p-nccl": "pdproxy.connectors.p2p_nccl:P2pNcclConnector",
         "mooncake": "pdproxy.connectors.mooncake:MooncakeConnector",
+        "nixl-push": "pdproxy.connectors.nixl_push:NixlPushConnector",
     }
 )
 
 # MoRIIO's transfer modes: READ (D pulls, serial legs) and WRITE (P pushes, concurrent legs).
 TRANSFER_MODES = ("READ", "WRITE")
+
+# --push-dispatch (nixl-push): when both legs go at once (pdproxy.connectors.nixl_push).
+PUSH_DISPATCH = ("auto", "concurrent", "serial")
 
 # --log-format names, rendered by pdproxy.observability.log's formatters of the same names.
 LOG_FORMATS = ("text", "json")
@@ -58,6 +62,8 @@ class ProxyConfig:
     model: str | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
     transfer_mode: str | None = None
+    # one of PUSH_DISPATCH (--kv-connector nixl-push); serial: measured faster on shared cores
+    push_dispatch: str = "serial"
     max_body_bytes: int = 32 * 1024 * 1024
     timeouts: Timeouts = field(default_factory=Timeouts)
     pool: PoolLimits = field(default_factory=PoolLimits)
@@ -127,6 +133,8 @@ class ProxyConfig:
                 "--first-token-from-prefill is exact only with --kv-connector nixl"
                 f" (a pull of the prompt's blocks), not {self.kv_connector!r}"
             )
+        if self.push_dispatch not in PUSH_DISPATCH:
+            raise ConfigError(f"--push-dispatch must be one of {', '.join(PUSH_DISPATCH)}")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         for cidr in self.admin_allow_cidrs:

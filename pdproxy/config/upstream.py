@@ -14,7 +14,9 @@ class Timeouts:
 
     ``prefill`` bounds a whole prefill leg (its answer is one token); ``decode_headers`` the
     wait for a streaming decode's response headers, which vLLM sends before generating.
-    Past either, the leg is retried on another instance.
+    Past either, the leg is retried on another instance. ``push_wait`` bounds a push decode's
+    wait for its first streamed byte once its prefill answered (the write follows within
+    milliseconds; vLLM's decode would wait for ever), under the prefill's 30 s KV lease.
     """
 
     connect: float = 5.0
@@ -22,9 +24,10 @@ class Timeouts:
     probe: float = 2.0
     prefill: float = 30.0
     decode_headers: float = 30.0
+    push_wait: float = 20.0
 
     def __post_init__(self) -> None:
-        for name in ("connect", "read", "probe", "prefill", "decode_headers"):
+        for name in ("connect", "read", "probe", "prefill", "decode_headers", "push_wait"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"timeout {name} must be positive")
 

@@ -40,6 +40,9 @@ class Transfer:
     decision: PairDecision
     request_id: str
     transfer_id: str | None = None
+    # A connector's own state for this transfer, fixed when it began (nixl-push: the
+    # prefill's NIXL coordinates as then known, so both legs agree on them).
+    peer: object | None = None
 
 
 class KVConnector(Protocol):
@@ -75,6 +78,15 @@ class KVConnector(Protocol):
         prefill_response: Mapping[str, Any] | None,
     ) -> JSONBody:
         """The body for D; ``prefill_response`` is P's JSON answer in serial mode, else None."""
+        ...
+
+    def observe_prefill(self, decision: PairDecision, answer: Mapping[str, Any]) -> None:
+        """A prefill leg of ``decision`` answered ``answer`` (2xx): learn from it what the
+        next transfers need (NIXL push: the prefill's coordinates)."""
+        ...
+
+    def prefill_failed(self, decision: PairDecision) -> None:
+        """A prefill leg of ``decision`` failed: forget what it taught (it may restart)."""
         ...
 
     def kv_source(self, prefill_response: Mapping[str, Any]) -> str | None:
@@ -136,6 +148,12 @@ class SerialConnector:
         prefill_response: Mapping[str, Any] | None,
     ) -> JSONBody:
         return decode_body(original, None)
+
+    def observe_prefill(self, decision: PairDecision, answer: Mapping[str, Any]) -> None:
+        return None
+
+    def prefill_failed(self, decision: PairDecision) -> None:
+        return None
 
     def kv_source(self, prefill_response: Mapping[str, Any]) -> str | None:
         return None

@@ -13,6 +13,12 @@ from typing import Any
 
 from pdproxy.connectors import SerialConnector, Transfer
 from pdproxy.types import EngineAddress, PairDecision
+from pdproxy.wire.kv_params import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    REMOTE_ENGINE_ID,
+    TRANSFER_ID,
+)
 from pdproxy.wire.shaping import JSONBody, client_request_id, decode_body, prefill_body
 
 BOOTSTRAP_PATH = "/query"
@@ -31,9 +37,9 @@ class MooncakeConnector(SerialConnector):
 
     def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
         params = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "transfer_id": transfer.transfer_id,
+            DO_REMOTE_DECODE: True,
+            DO_REMOTE_PREFILL: False,
+            TRANSFER_ID: transfer.transfer_id,
         }
         return prefill_body(original, params)
 
@@ -46,13 +52,11 @@ class MooncakeConnector(SerialConnector):
         prefill = transfer.decision.prefill
         rank = transfer.decision.prefill_dp_rank or 0
         params = {
-            "do_remote_decode": False,
-            "do_remote_prefill": True,
+            DO_REMOTE_DECODE: False,
+            DO_REMOTE_PREFILL: True,
             "remote_bootstrap_addr": prefill.address.bootstrap_url,
-            "remote_engine_id": prefill.engine_ids[rank]
-            if rank < len(prefill.engine_ids)
-            else None,
-            "transfer_id": transfer.transfer_id,
+            REMOTE_ENGINE_ID: prefill.engine_ids[rank] if rank < len(prefill.engine_ids) else None,
+            TRANSFER_ID: transfer.transfer_id,
         }
         return decode_body(original, params)
 

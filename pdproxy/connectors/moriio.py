@@ -18,8 +18,15 @@ from typing import Any
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.connectors import SerialConnector, Transfer
 from pdproxy.types import PairDecision
-from pdproxy.wire.shaping import (
+from pdproxy.wire.kv_params import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
     KV_TRANSFER_PARAMS,
+    REMOTE_BLOCK_IDS,
+    REMOTE_ENGINE_ID,
+    TRANSFER_ID,
+)
+from pdproxy.wire.shaping import (
     JSONBody,
     decode_body,
     peer_request_id,
@@ -28,7 +35,7 @@ from pdproxy.wire.shaping import (
 
 TRANSFER_PREFIX = "tx"  # MoRIIOConstants.TRANSFER_PREFIX
 # What a READ decode takes from P's answer; the rest it builds from the request id.
-_FROM_PREFILL = ("remote_engine_id", "remote_block_ids", "transfer_id")
+_FROM_PREFILL = (REMOTE_ENGINE_ID, REMOTE_BLOCK_IDS, TRANSFER_ID)
 
 
 class MoriioConnector(SerialConnector):
@@ -55,11 +62,11 @@ class MoriioConnector(SerialConnector):
     def prefill_body(self, original: Mapping[str, Any], transfer: Transfer) -> JSONBody:
         decode = transfer.decision.decode
         params = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "transfer_id": transfer.transfer_id,
+            DO_REMOTE_DECODE: True,
+            DO_REMOTE_PREFILL: False,
+            REMOTE_ENGINE_ID: None,
+            REMOTE_BLOCK_IDS: None,
+            TRANSFER_ID: transfer.transfer_id,
             "remote_dp_size": decode.dp_size,
             "remote_tp_size": decode.address.tp_size,
         }
@@ -73,11 +80,11 @@ class MoriioConnector(SerialConnector):
     ) -> JSONBody:
         prefill = transfer.decision.prefill
         params: dict[str, Any] = {
-            "do_remote_decode": False,
-            "do_remote_prefill": True,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "transfer_id": transfer.transfer_id,
+            DO_REMOTE_DECODE: False,
+            DO_REMOTE_PREFILL: True,
+            REMOTE_ENGINE_ID: None,
+            REMOTE_BLOCK_IDS: None,
+            TRANSFER_ID: transfer.transfer_id,
             "remote_dp_size": prefill.dp_size,
             "remote_tp_size": prefill.address.tp_size,
         }

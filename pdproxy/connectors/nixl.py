@@ -25,8 +25,16 @@ from typing import Any
 
 from pdproxy.connectors import ReleaseLeg, SerialConnector, Transfer
 from pdproxy.types import ApiKind
-from pdproxy.wire.shaping import (
+from pdproxy.wire.kv_params import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
     KV_TRANSFER_PARAMS,
+    REMOTE_BLOCK_IDS,
+    REMOTE_ENGINE_ID,
+    REMOTE_HOST,
+    REMOTE_PORT,
+)
+from pdproxy.wire.shaping import (
     MODEL,
     JSONBody,
     body_kind,
@@ -40,12 +48,12 @@ logger = logging.getLogger(__name__)
 _REJECTED = 400  # vLLM: "Streaming is not currently supported with beam search"
 
 PREFILL_PARAMS: Mapping[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
+    DO_REMOTE_DECODE: True,
+    DO_REMOTE_PREFILL: False,
+    REMOTE_ENGINE_ID: None,
+    REMOTE_BLOCK_IDS: None,
+    REMOTE_HOST: None,
+    REMOTE_PORT: None,
 }
 
 
@@ -73,7 +81,7 @@ class NixlConnector(SerialConnector):
 
     def kv_source(self, prefill_response: Mapping[str, Any]) -> str | None:
         params = prefill_response.get(KV_TRANSFER_PARAMS)
-        engine = params.get("remote_engine_id") if isinstance(params, dict) else None
+        engine = params.get(REMOTE_ENGINE_ID) if isinstance(params, dict) else None
         return engine if isinstance(engine, str) else None
 
     def release_leg(
@@ -84,7 +92,7 @@ class NixlConnector(SerialConnector):
         warm: bool,
     ) -> ReleaseLeg | None:
         params = prefill_response.get(KV_TRANSFER_PARAMS)
-        if not isinstance(params, dict) or not params.get("remote_block_ids"):
+        if not isinstance(params, dict) or not params.get(REMOTE_BLOCK_IDS):
             return None  # nothing held on P
         if warm:
             body: JSONBody = {

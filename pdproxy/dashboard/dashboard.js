@@ -243,7 +243,7 @@
       return [dash(), dash(), el("td", { "data-field": "kv", class: "muted", text: "—" })];
     }
     const stale = !load.fresh;
-    const title = "engine /metrics, " + fixed(load.age_seconds, 1) + " s ago" +
+    const title = "engine /metrics, " + fixed(load.age_s, 1) + " s ago" +
       (stale ? " (too old: the scheduler ignores it)" : "");
     const cls = stale ? "n stale" : "n";
     const pct = Math.max(0, Math.min(1, load.kv_usage));

@@ -3,6 +3,10 @@
 Soft state only: static instances come from the command line, registered ones re-announce
 themselves every few seconds, so a restarted proxy converges without any stored state.
 Mutated only on the event loop, so it needs no locks.
+
+The registry is the one writer of each instance's ``Presence`` (admission state, lease, last
+heartbeat) and the one that sets which records an ``Endpoint`` holds (a replacement carries
+its predecessor's ``LegCounts`` over); ``tests/unit/test_record_owners.py`` holds it to that.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class EndpointRegistry:
         self._snapshot: Snapshot | None = None
         self._pools: ModelPools | None = None
         self._removal_listeners: list[Callable[[str], None]] = []
+        self._replace_listeners: list[Callable[[Endpoint], None]] = []
         self._change_listeners: list[Callable[[], None]] = []
 
     def __len__(self) -> int:
@@ -31,13 +36,26 @@ class EndpointRegistry:
     def all(self) -> list[Endpoint]:
         return list(self._by_url.values())
 
-    def add(self, endpoint: Endpoint) -> None:
-        """Insert or replace the instance at ``endpoint.url``, keeping its in-flight count."""
+    def add(self, endpoint: Endpoint, state: EndpointState | None = None) -> None:
+        """Insert or replace the instance at ``endpoint.url`` (admitted in ``state``, if
+        given). A replacement takes its predecessor's ``LegCounts`` over whole, not a copy:
+        the legs in flight hold the old ``Endpoint`` and uncount themselves on that record,
+        which is then the new one's (a copied count was never uncounted). The
+        ``on_replace`` listeners hear of it (a new instance: none of its KV connections
+        are known)."""
         previous = self._by_url.get(endpoint.url)
         if previous is not None:
-            endpoint.legs.in_flight = previous.legs.in_flight
+            endpoint.legs = previous.legs
+            for listener in self._replace_listeners:
+                listener(endpoint)
+        if state is not None:
+            endpoint.presence.state = state
         self._by_url[endpoint.url] = endpoint
         self._changed()
+
+    def on_replace(self, listener: Callable[[Endpoint], None]) -> None:
+        """Call ``listener(endpoint)`` whenever an instance replaces another at its URL."""
+        self._replace_listeners.append(listener)
 
     def on_removal(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(url)`` whenever an instance leaves (removed or expired)."""
@@ -47,6 +65,10 @@ class EndpointRegistry:
         """Call ``listener()`` whenever the membership or an instance's routability changes
         (an addition, a removal, a state or a health verdict): the workers' publisher."""
         self._change_listeners.append(listener)
+
+    def seen(self, url: str, last_seen: float | None) -> None:
+        """The instance was heard from at ``last_seen`` (wall clock); its lease is as it was."""
+        self._by_url[url].presence.last_seen = last_seen
 
     def touch(self, url: str, ttl: float, last_seen: float) -> None:
         """Extend a registered instance's lease (a heartbeat)."""

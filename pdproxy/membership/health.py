@@ -1,12 +1,10 @@
 """Active health checks: ``GET /health`` on every instance, whatever its source.
 
 Every ``--health-check-interval-secs`` all instances are probed at once on the probe pool
-(never the legs' pool), each within ``--health-check-timeout-secs``; ``resilience.probes``
-turns the results into verdicts. A new instance is probed as soon as it is admitted and
-is routable only once it answers. Active and passive health meet here: an instance whose
-probes failed while it was ejected and that answers again has come back (a restart), so
-its trial request is let through at once; one that recovers from unhealthy starts with a
-clean record.
+(never the legs' pool), each within ``--health-check-timeout-secs``; the health book
+(``resilience.outlier``, where active and passive health meet) turns the results into
+verdicts. A new instance is probed as soon as it is admitted and is routable only once it
+answers.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from typing import Any
 from pdproxy.config.resilience import HealthConfig
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.resilience.outlier import OutlierDetector
-from pdproxy.resilience.probes import apply_probe
 from pdproxy.types import Endpoint, ProbeState
 from pdproxy.upstream.engine_client import EngineClient
 
@@ -59,7 +56,7 @@ class HealthChecker:
         """A new instance: not routable until its first probe answers, which starts now."""
         if not self.config.enabled:
             return
-        endpoint.health.probe = ProbeState.UNKNOWN
+        self._outliers.probing(endpoint)
         self._spawn(endpoint, self.check(endpoint))
 
     async def settle(self) -> None:
@@ -75,23 +72,12 @@ class HealthChecker:
             self.record(endpoint, ok)
 
     def record(self, endpoint: Endpoint, ok: bool) -> None:
-        health = endpoint.health
-        if health.ejected_until is not None:
-            if not ok:
-                health.probe_failed_while_ejected = True
-            elif health.probe_failed_while_ejected:
-                health.probe_failed_while_ejected = False
-                endpoint.legs.kv_sources.clear()  # a restart: a new engine, no KV connections
-                self._outliers.end_ejection(endpoint)
-        before = health.probe
-        after = apply_probe(health, ok, self.config)
+        before = endpoint.health.probe
+        after = self._outliers.on_probe(endpoint, ok, self.config)
         if after is None:
             if ok and before is ProbeState.UNHEALTHY:
                 self._recheck_soon(endpoint)
             return
-        if before is ProbeState.UNHEALTHY:
-            self._outliers.reset(endpoint)
-        endpoint.legs.kv_sources.clear()  # down, or back after being down: no KV connections
         self._registry.invalidate()
         log = logger.info if after is ProbeState.HEALTHY else logger.warning
         log("%s %s is %s (health checks)", endpoint.role.value, endpoint.url, after.value)

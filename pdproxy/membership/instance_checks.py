@@ -14,6 +14,7 @@ from typing import Any
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.connectors import KVConnector
 from pdproxy.errors import UpstreamError
+from pdproxy.membership.identity import reidentify
 from pdproxy.types import Endpoint, Role, Source
 from pdproxy.upstream.engine_client import EngineClient
 
@@ -48,7 +49,7 @@ class InstanceChecks:
             bootstrap = self.bootstrap_url(endpoint)
             if bootstrap is not None:
                 answer = await self._client.get_json(bootstrap)
-                endpoint.reidentify(engine_ids=self._connector.parse_bootstrap(answer))
+                reidentify(endpoint, engine_ids=self._connector.parse_bootstrap(answer))
         except (UpstreamError, ValueError) as exc:
             if require_reachable:
                 return f"instance did not answer its probe: {exc}"
@@ -65,7 +66,7 @@ class InstanceChecks:
         models = served_models(answer, self._max_models)
         if models is None:
             return NOT_MODELS
-        endpoint.reidentify(models=models)
+        reidentify(endpoint, models=models)
         if self._model is not None and self._model not in models:
             return f"serves {list(models)}, not model {self._model!r}"
         return None

@@ -23,7 +23,8 @@ from pdproxy.config.addresses import url_host_port
 from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.kv_subscriber import KVEventSubscriber
-from pdproxy.scheduling.kv_events import KVIndex, instance_name
+from pdproxy.scheduling.kv_events import KVIndex
+from pdproxy.scheduling.kv_keys import instance_name
 
 logger = logging.getLogger(__name__)
 

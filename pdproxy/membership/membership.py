@@ -139,7 +139,7 @@ class Membership:
             return "refused"
         existing = self._registry.get(url)
         if existing is not None and existing.source is not Source.REGISTERED:
-            existing.presence.last_seen = self._wall_clock()
+            self._registry.seen(url, self._wall_clock())
             return "accepted"
         if existing is None and self._refused(url, self._guard.check(url)):
             return "refused"
@@ -190,8 +190,7 @@ class Membership:
         if self._registry.get(address.url) is not None:
             raise AdminError(409, f"instance {address.host_port} is already registered")
         self._retired.pop(address.url, None)
-        endpoint.presence.state = EndpointState.READY
-        self._registry.add(endpoint)
+        self._registry.add(endpoint, EndpointState.READY)
         self._guard.admitted(address.url, *resolved)
         logger.info("admin added %s %s", role.value, address.url)
         for observer in self._observers:
@@ -312,8 +311,7 @@ class Membership:
         self._health.admitted(endpoint)
         self._warmer.forget(endpoint.url)
         if self._needs_probe(endpoint):
-            endpoint.presence.state = EndpointState.PENDING
-            self._registry.add(endpoint)
+            self._registry.add(endpoint, EndpointState.PENDING)
             self._probe_in_background(endpoint)
         else:
             self._registry.add(endpoint)

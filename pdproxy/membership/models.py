@@ -19,6 +19,7 @@ from typing import Any
 
 from pdproxy.errors import UpstreamError
 from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.membership.identity import reidentify
 from pdproxy.membership.instance_checks import served_models
 from pdproxy.types import Endpoint
 from pdproxy.upstream.engine_client import EngineClient
@@ -78,7 +79,7 @@ class ModelReader:
         # A change is news; the first list of an instance admitted without one is not.
         level = logging.INFO if endpoint.models else logging.DEBUG
         logger.log(level, "%s %s serves %s", endpoint.role.value, endpoint.url, list(models))
-        endpoint.reidentify(models=models)
+        reidentify(endpoint, models=models)
         self._registry.invalidate()
         return True
 

@@ -169,6 +169,7 @@ class PairWarmer:
             )
             return
         answer = await self._post(prefill, prefill_body, headers, "prefill")
+        connector.observe_prefill(transfer.decision, answer)  # nixl-push: its coordinates
         await self._post(
             decode, connector.decode_body(original, transfer, answer), headers, "decode"
         )

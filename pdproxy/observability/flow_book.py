@@ -74,14 +74,14 @@ class FlowBook:
             self._depths.pop(key, None)
         child = self._waits.get(labels)
         if child is None:
-            child = self._waits[labels] = self._metrics.flow_wait_seconds.labels(*labels)
+            child = self._waits[labels] = self._metrics.flow.wait_seconds.labels(*labels)
         child.observe(waited)
 
     def _waiting_child(self, stage: str, ticket: Ticket) -> Any:
         labels = (stage, self.band(ticket.priority), ticket.tenant)
         child = self._waiting.get(labels)
         if child is None:
-            child = self._waiting[labels] = self._metrics.flow_waiting.labels(*labels)
+            child = self._waiting[labels] = self._metrics.flow.waiting.labels(*labels)
         return child
 
     # -- admission -----------------------------------------------------------------------
@@ -99,7 +99,7 @@ class FlowBook:
         refused = self._tenant(ticket.tenant).refused
         refused[reason] = refused.get(reason, 0) + 1
         self._metrics.admission_rejected.labels(reason).inc()
-        self._metrics.flow_refused.labels(ticket.tenant, reason).inc()
+        self._metrics.flow.refused.labels(ticket.tenant, reason).inc()
 
     # -- deadlines -----------------------------------------------------------------------
 
@@ -115,12 +115,12 @@ class FlowBook:
         else:
             figures.slo_missed += 1
         outcome = "met" if met else "missed"
-        self._metrics.flow_slo.labels(ticket.tenant, self.band(ticket.priority), outcome).inc()
+        self._metrics.flow.slo.labels(ticket.tenant, self.band(ticket.priority), outcome).inc()
         if predicted is not None:
             error = abs(predicted - first_byte)
             self._errors.append(error)
             self._predictions += 1
-            self._metrics.ttft_prediction_error.observe(error)
+            self._metrics.flow.ttft_prediction_error.observe(error)
 
     def median_error(self) -> float | None:
         """The median of the last predictions' absolute errors, seconds."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
+
+from pdproxy.observability.endpoint_in_flight import EndpointInFlight
+from pdproxy.observability.flow_metrics import FlowMetrics
+from pdproxy.observability.push_metrics import PushMetrics
 
 _LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -32,6 +34,7 @@ class ProxyMetrics:
         self._define_resilience(registry)
         self._define_admission(registry)
         self._define_registry_backend(registry)
+        self.push = PushMetrics(registry)  # --kv-connector nixl-push
 
     def _define_registry_backend(self, registry: CollectorRegistry) -> None:
         """--registry-backend: the shared registry (etcd) replicas build their own from."""
@@ -285,48 +288,7 @@ class ProxyMetrics:
             ("reason",),
             registry=registry,
         )
-        self._define_flow(registry)
-
-    def _define_flow(self, registry: CollectorRegistry) -> None:
-        """Flow control (``--tenants``): who waits where, for how long, who is refused,
-        who meets its deadline, and how good the time-to-first-token prediction is. The
-        ``tenant`` label takes the tenants file's names (and ``default``), ``priority`` its
-        priorities (and 0; any other band is ``other``): bounded by the file."""
-        self.flow_waiting = Gauge(
-            "pdproxy_flow_waiting",
-            "Requests waiting now, by stage (admission, prefill, decode), priority and tenant.",
-            ("stage", "priority", "tenant"),
-            registry=registry,
-            multiprocess_mode="livesum",
-        )
-        self.flow_wait_seconds = Histogram(
-            "pdproxy_flow_wait_seconds",
-            "Time requests waited, by stage (admission, prefill, decode), priority and tenant.",
-            ("stage", "priority", "tenant"),
-            registry=registry,
-            buckets=_LEG_BUCKETS,
-        )
-        self.flow_refused = Counter(
-            "pdproxy_flow_refused_total",
-            "Requests refused with 429 by flow control, by tenant and reason (deadline,"
-            " rate_limit, tenant_concurrency, queue_full, queue_timeout).",
-            ("tenant", "reason"),
-            registry=registry,
-        )
-        self.flow_slo = Counter(
-            "pdproxy_flow_slo_total",
-            "Requests with x-slo-ttft-ms that were answered, by tenant, priority and outcome"
-            " (met: first byte within the deadline; missed).",
-            ("tenant", "priority", "outcome"),
-            registry=registry,
-        )
-        self.ttft_prediction_error = Histogram(
-            "pdproxy_ttft_prediction_error_seconds",
-            "How far the predicted time to first token of a request with a deadline was"
-            " from the measured one (absolute), seconds.",
-            registry=registry,
-            buckets=_LEG_BUCKETS,
-        )
+        self.flow = FlowMetrics(registry, _LEG_BUCKETS)  # --tenants
 
     def count_request(self, endpoint: str, outcome: str) -> None:
         """Hot path: label children are cached, as ``labels()`` takes a lock per call."""
@@ -411,26 +373,4 @@ class ProxyMetrics:
     def track_endpoint_in_flight(self, read: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
         """``pdproxy_endpoint_in_flight{role,url}`` from ``read()``'s ``(role, url, legs)``
         at scrape time: nothing per request, and only present instances have a series."""
-        self.registry.register(_EndpointInFlight(read))
-
-
-class _EndpointInFlight(Collector):
-    def __init__(self, read: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
-        self._read = read
-
-    def describe(self) -> Iterator[GaugeMetricFamily]:
-        yield self._family()
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = self._family()
-        for role, url, legs in self._read():
-            family.add_metric((role, url), legs)
-        yield family
-
-    @staticmethod
-    def _family() -> GaugeMetricFamily:
-        return GaugeMetricFamily(
-            "pdproxy_endpoint_in_flight",
-            "Legs in flight on an instance.",
-            labels=("role", "url"),
-        )
+        self.registry.register(EndpointInFlight(read))

@@ -41,6 +41,7 @@ class RequestTrace:
     prefill_dp_rank: int | None = None
     decode_url: str | None = None  # of the last decode leg sent
     decode_only: bool = False  # served by a decode alone, no prefill
+    push: str | None = None  # nixl-push: concurrent, or serial and why (proxying.push)
     # kv-events: the prompt tokens the chosen prefill's and decode's events say they hold
     predicted_prefill_cached: int | None = None
     predicted_decode_cached: int | None = None
@@ -106,6 +107,7 @@ class RequestTrace:
             "bytes_sent": self.bytes_sent,
             "decode_only": self.decode_only,
             "migrations": self.migrations,
+            **({} if self.push is None else {"push": self.push}),
             **self._predicted(),
             **self._flow(),
         }

@@ -23,6 +23,7 @@ from pdproxy.errors import ProxyError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.exchange import ClientRequest
+from pdproxy.proxying.leg_counts import forget_kv_source
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.types import Endpoint
 from pdproxy.upstream.engine_client import EngineClient
@@ -114,7 +115,7 @@ class KVRelease:
         released = status == leg.expect
         self._metrics.released_kv.labels("released" if released else "failed").inc()
         if not released and source is not None:
-            decode.legs.kv_sources.pop(source, None)  # it did not act as a warm decode would
+            forget_kv_source(decode, source)  # it did not act as a warm decode would
         logger.debug(
             "KV of %s: release via %s answered %s", transfer.request_id, decode.url, status
         )

@@ -9,6 +9,8 @@ at once; a failed prefill aborts the waiting decode so a client never waits on K
 cannot come. A leg whose request cannot be built (a header the instance's registration
 made unsendable) fails as ``UpstreamRequestError`` against that instance: nothing was sent,
 so it is retried elsewhere like a connect failure.
+
+Each leg is counted through ``leg_counts``, the one writer of an instance's ``LegCounts``.
 """
 
 from __future__ import annotations
@@ -22,14 +24,12 @@ from typing import Any
 
 import orjson
 
-from pdproxy.config.addresses import header_safe
 from pdproxy.config.upstream import Timeouts
 from pdproxy.connectors import KVConnector, Transfer
 from pdproxy.errors import (
     ProxyError,
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamRequestError,
     UpstreamServerError,
     UpstreamStatusError,
 )
@@ -37,11 +37,15 @@ from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import RequestTrace, current
 from pdproxy.observability.tracing import LegSpan
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
+from pdproxy.proxying.leg_counts import enter, leave, read_from
+from pdproxy.proxying.leg_faults import at_fault, unbuildable
 from pdproxy.proxying.leg_room import LegRoom
-from pdproxy.proxying.relay import StreamRelay, StreamWatchdog
+from pdproxy.proxying.relay import StreamRelay
 from pdproxy.proxying.verdicts import Verdicts
-from pdproxy.types import Endpoint, PairDecision, Role
+from pdproxy.proxying.watchdog import StreamWatchdog
+from pdproxy.types import Endpoint, PairDecision
 from pdproxy.upstream.engine_client import EngineClient, UpstreamResponse
+from pdproxy.wire.kv_params import KV_TRANSFER_PARAMS
 from pdproxy.wire.shaping import decode_body, is_streaming, leg_headers
 
 logger = logging.getLogger(__name__)
@@ -128,6 +132,7 @@ class Legs:
             answer = _prefill_answer(upstream, await upstream.read_all())
         except ProxyError as error:
             self._failed(at_fault(error, endpoint, transfer.decision), error, span, trace)
+            self._connector.prefill_failed(transfer.decision)
             raise
         except BaseException:
             self._abandoned(endpoint, span)
@@ -139,6 +144,7 @@ class Legs:
         trace.prefill_answered = ended
         span.end(None)
         self._verdicts.success(endpoint)
+        self._connector.observe_prefill(transfer.decision, answer)
         if self._kv_check is not None:
             self._checked(self._kv_check(transfer.decision, answer))
         return answer
@@ -152,8 +158,8 @@ class Legs:
 
     def count_failure(self, endpoint: Endpoint, reason: str) -> None:
         """A leg of ``endpoint`` answered what cannot be trusted (it was not an error on
-        the wire): counted toward its ejection as a failed leg."""
-        self._verdicts.failure(endpoint, reason)
+        the wire): counted toward its ejection as a failed leg, its success undone."""
+        self._verdicts.untrusted(endpoint, reason)
 
     def prepare_decode(self, request: ClientRequest, decode: Endpoint) -> None:
         """While prefills run, a connection ready for each decode leg waiting on one there
@@ -162,16 +168,23 @@ class Legs:
         self._client.prepare(decode.url + request.kind.path, decode.legs.reserved)
 
     async def decode(
-        self, request: ClientRequest, transfer: Transfer, prefill_answer: Mapping[str, Any] | None
+        self,
+        request: ClientRequest,
+        transfer: Transfer,
+        prefill_answer: Mapping[str, Any] | None,
+        headers_within: float | None = None,
     ) -> ProxyResponse:
         """Open the decode leg; its status (and a stream's first bytes) are checked before
-        the client's response starts."""
+        the client's response starts. ``headers_within`` replaces the decode header timeout
+        (a concurrent push's decode answers only once its prefill wrote the KV)."""
         body = self._connector.decode_body(request.body, transfer, prefill_answer)
-        if prefill_answer is not None and "kv_transfer_params" not in prefill_answer:
+        if prefill_answer is not None and KV_TRANSFER_PARAMS not in prefill_answer:
             self._metrics.kv_params_missing.inc()
         decision = transfer.decision
         rank = decision.decode_dp_rank if self._connector.routes_decode_rank else None
-        leg = _DecodeLeg(decision.decode, rank, transfer.request_id, prefill_answer, decision)
+        leg = _DecodeLeg(
+            decision.decode, rank, transfer.request_id, prefill_answer, decision, headers_within
+        )
         return await self._open(request, leg, body)
 
     async def single(
@@ -200,7 +213,7 @@ class Legs:
                     headers,
                     leg="decode",
                     stream=streaming,
-                    headers_within=self._timeouts.decode_headers,
+                    headers_within=leg.headers_within or self._timeouts.decode_headers,
                 )
             except ValueError as exc:  # http1 builds the head before anything is sent
                 raise unbuildable(endpoint, leg.pair) from exc
@@ -256,7 +269,7 @@ class Legs:
         self._verdicts.success(decode)
         source = self._connector.kv_source(prefill_answer) if prefill_answer else None
         if source is not None:
-            decode.legs.read_from(source)
+            read_from(decode, source)
 
     async def _stream(
         self, upstream: UpstreamResponse, leg: _DecodeLeg, span: LegSpan, trace: RequestTrace
@@ -328,53 +341,7 @@ class _DecodeLeg:
     request_id: str
     prefill_answer: Mapping[str, Any] | None
     pair: PairDecision | None = None  # None: a decode-only request
-
-
-def enter(endpoint: Endpoint, rank: int | None, weight: float = 1.0, tokens: float = 0.0) -> None:
-    """Count a leg on ``endpoint`` (and its DP rank) while it runs; ``weight`` is its size
-    for the scheduler (a prefill's prompt over the typical one), ``tokens`` the prompt
-    tokens a prefill leg has to compute (``LegCounts.queued_tokens``)."""
-    endpoint.legs.in_flight += 1
-    endpoint.legs.work += weight
-    endpoint.legs.queued_tokens += tokens
-    if rank is not None:
-        counts = endpoint.legs.rank_in_flight
-        if len(counts) <= rank:
-            counts.extend([0] * (rank + 1 - len(counts)))
-        counts[rank] += 1
-
-
-def leave(endpoint: Endpoint, rank: int | None, weight: float = 1.0, tokens: float = 0.0) -> None:
-    legs = endpoint.legs
-    legs.in_flight -= 1
-    idle = not legs.in_flight and not legs.reserved
-    legs.work = 0.0 if idle else legs.work - weight  # no float drift
-    legs.queued_tokens = 0.0 if not legs.in_flight else max(legs.queued_tokens - tokens, 0.0)
-    if rank is not None and rank < len(endpoint.legs.rank_in_flight):
-        endpoint.legs.rank_in_flight[rank] -= 1
-
-
-def unbuildable(endpoint: Endpoint, pair: PairDecision | None) -> UpstreamRequestError:
-    """The error of a leg to ``endpoint`` whose request could not be built. At fault is the
-    instance whose registered KV address (in the pair's request id) cannot be sent, else
-    ``endpoint``; the error's ``leg`` is that instance's role, so the retry replaces it."""
-    culprit = endpoint
-    if pair is not None:
-        unsafe = [e for e in (pair.prefill, pair.decode) if not header_safe(e.kv_address)]
-        culprit = unsafe[0] if unsafe else endpoint
-    leg = "prefill" if culprit.role is Role.PREFILL else "decode"
-    return UpstreamRequestError(
-        f"cannot build a request for {leg} engine {culprit.url}: what it registered cannot be sent",
-        leg=leg,
-    )
-
-
-def at_fault(error: ProxyError, endpoint: Endpoint, pair: PairDecision | None) -> Endpoint:
-    """The instance a leg's failure counts against: the one whose registration made its
-    request unbuildable, else the leg's own."""
-    if isinstance(error, UpstreamRequestError) and pair is not None:
-        return pair.prefill if error.leg == "prefill" else pair.decode
-    return endpoint
+    headers_within: float | None = None  # None: --decode-header-timeout-secs
 
 
 def _prefill_answer(upstream: UpstreamResponse, data: bytes) -> dict[str, Any]:

@@ -5,20 +5,20 @@
 Used by pdproxy's own ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, which
 fan a client's call out to every routable instance, and by ``--lora-load-on-demand``,
 which loads an adapter on the pair chosen for a request when no pair holds it. An
-instance that loaded or unloaded an adapter is re-identified at once (its models decide
+instance that loaded or unloaded an adapter is re-identified at once by the membership
+(``relabel``: ``membership.identity.relabel``, wired by ``pdproxy.build``; its models decide
 the pools it is in); the ``/v1/models`` re-read confirms it later.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import orjson
 
 from pdproxy.errors import UpstreamStatusError
-from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.types import Endpoint
 from pdproxy.upstream.engine_client import EngineClient
 
@@ -53,8 +53,10 @@ class LoraCounts:
 
 
 class LoraClient:
-    def __init__(self, *, registry: EndpointRegistry, client: EngineClient) -> None:
-        self._registry = registry
+    def __init__(
+        self, *, relabel: Callable[[Endpoint, tuple[str, ...]], None], client: EngineClient
+    ) -> None:
+        self._relabel = relabel  # the membership re-identifies: this client writes no identity
         self._client = client
         self.counts = LoraCounts()
 
@@ -97,6 +99,4 @@ class LoraClient:
         else:
             self.counts.unloads += 1
         logger.info("%s %s on %s", "loaded" if path == LOAD else "unloaded", name, endpoint.url)
-        if self._registry.get(endpoint.url) is endpoint and models != endpoint.models:
-            endpoint.reidentify(models=models)
-            self._registry.invalidate()
+        self._relabel(endpoint, models)

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # Serves a continuation on any decode but the ones named.
 Serve = Callable[[ClientRequest, frozenset[str]], Awaitable[ProxyResponse]]
+# An engine's count of a delivered text's tokens (its chunks with text given), or None.
+CountTokens = Callable[[ClientRequest, str, int], Awaitable[int | None]]
 
 
 class MigrationRequested(UpstreamError):
@@ -71,12 +73,19 @@ def cut_reason(failure: ProxyError) -> str | None:
 
 class Migrations:
     def __init__(
-        self, *, limit: int, budget: RetryBudget, metrics: ProxyMetrics, serve: Serve
+        self,
+        *,
+        limit: int,
+        budget: RetryBudget,
+        metrics: ProxyMetrics,
+        serve: Serve,
+        count: CountTokens | None = None,
     ) -> None:
         self._limit = limit
         self._budget = budget
         self._metrics = metrics
         self._serve = serve
+        self._count = count  # None: a text leg without usage counts one token a chunk
 
     def watch(self, request: ClientRequest, relay: StreamRelay) -> None:
         """Let ``relay`` (``request``'s stream) migrate when it is cut, if it may."""
@@ -107,6 +116,9 @@ class Migrations:
         if reason is None:
             return None
         outcome, part = self._admit(state, stream)
+        if part is not None:
+            await self._count_leg(state.request, part)
+            outcome, part = self._may_continue(state, part)
         if part is None:
             self._metrics.migrations.labels(reason, outcome).inc()
             return None
@@ -148,6 +160,18 @@ class Migrations:
             return "unreadable", None
         part, state.folded = state.folded, Generated()
         part.extend(last)
+        return "migrated", part
+
+    async def _count_leg(self, request: ClientRequest, part: Generated) -> None:
+        """A text leg whose chunks said no count: its text counted by an engine, since a
+        chunk may carry several tokens (``token_count``)."""
+        if self._count is None or part.leg_tokens is not None or part.token_ids:
+            return
+        text = part.whole_text()
+        if text:
+            part.leg_tokens = await self._count(request, text, part.tokens)
+
+    def _may_continue(self, state: _Migrating, part: Generated) -> tuple[str, Generated | None]:
         left = remaining(state.request.kind, state.request.body, state.generated.tokens)
         if left is not None and part.count() >= left:
             return "finished", None

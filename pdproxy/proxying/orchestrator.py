@@ -21,7 +21,6 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Collection
-from dataclasses import dataclass
 from typing import Any
 
 from pdproxy.config.resilience import RetryConfig
@@ -37,9 +36,11 @@ from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.leg_room import LegRoom
 from pdproxy.proxying.legs import Legs, LegSize
 from pdproxy.proxying.lora_demand import LoraOnDemand
-from pdproxy.proxying.migration import MigrationRequested, Migrations
+from pdproxy.proxying.migration import CountTokens, MigrationRequested, Migrations
 from pdproxy.proxying.prompt_tokens import PromptTokens
-from pdproxy.proxying.retries import Retries, RetryRun
+from pdproxy.proxying.push import PushLegs
+from pdproxy.proxying.retries import Retries
+from pdproxy.proxying.run import Run, log_decision, replaced
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget, retry_reason
 from pdproxy.scheduling.scheduler import NO_PREFILL, Scheduler
@@ -50,46 +51,6 @@ from pdproxy.wire.shaping import client_request_id, is_streaming
 __all__ = ["ClientRequest", "Orchestrator", "ProxyResponse"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Run(RetryRun):
-    """One request's retry state, and the decode it holds while its prefill runs."""
-
-    reserved: Endpoint | None = None  # the decode waiting on this request's prefill
-    avoid: frozenset[str] = frozenset()  # decodes a migrated stream was cut on
-
-    def reserve(self, decode: Endpoint) -> None:
-        """Count the request on its decode while the prefill runs: a burst must not herd
-        onto the decode that looked idle because none of its legs had started yet."""
-        if decode is not self.reserved:
-            self.unreserve()
-            decode.legs.reserved += 1
-            decode.legs.work += 1.0
-            self.reserved = decode
-
-    def unreserve(self) -> None:
-        decode = self.reserved
-        if decode is not None:
-            decode.legs.reserved -= 1
-            decode.legs.work = (
-                decode.legs.work - 1.0 if decode.legs.in_flight or decode.legs.reserved else 0.0
-            )
-            self.reserved = None
-
-
-def _log_decision(transfer: Transfer, why: str) -> None:
-    bind_request_id(transfer.request_id)  # the connector fixed it: log lines carry it
-    if logger.isEnabledFor(logging.DEBUG):
-        decision = transfer.decision
-        logger.debug(
-            "%s: %s to prefill %s (dp rank %s), decode %s",
-            transfer.request_id,
-            why,
-            decision.prefill.url,
-            decision.prefill_dp_rank,
-            decision.decode.url,
-        )
 
 
 class Orchestrator:
@@ -111,7 +72,10 @@ class Orchestrator:
         prompt_tokens: PromptTokens | None = None,
         room: LegRoom | None = None,
         deadlines: TtftPredictor | None = None,
+        count_tokens: CountTokens | None = None,
+        push: PushLegs | None = None,
     ) -> None:
+        self._push = push  # --kv-connector nixl-push: concurrent legs that strand nothing
         self._registry = registry
         self._room = room  # flow control: each leg waits for an engine with room
         self._deadlines = deadlines  # flow control: the TTFT predicted against a deadline
@@ -133,7 +97,11 @@ class Orchestrator:
         )
         self._metrics = metrics
         self._migrations = Migrations(
-            limit=retry.migration_limit, budget=budget, metrics=metrics, serve=self._serve
+            limit=retry.migration_limit,
+            budget=budget,
+            metrics=metrics,
+            serve=self._serve,
+            count=count_tokens,
         )
         # --first-token-from-prefill; None (off): the decode leg as always, nothing checked
         self._first_token = FirstTokenPath(legs=legs, release=release) if first_token else None
@@ -144,6 +112,8 @@ class Orchestrator:
     async def aclose(self) -> None:
         if self._prompt_tokens is not None:
             self._prompt_tokens.close()
+        if self._push is not None:
+            await self._push.aclose()
         await self._legs.aclose()
 
     async def handle(self, request: ClientRequest) -> ProxyResponse:
@@ -151,6 +121,10 @@ class Orchestrator:
         if response.stream is not None:
             self._migrations.watch(request, response.stream)
         return response
+
+    def push_status(self) -> dict[str, Any] | None:
+        """``/status``' push section (None: not ``--kv-connector nixl-push``)."""
+        return None if self._push is None else self._push.status()
 
     def migrate_streams(self, url: str) -> int:
         """Cut the streams read from the decode ``url`` now, so that each migrates (if it
@@ -163,9 +137,10 @@ class Orchestrator:
         features = self._scheduler.features(request.body, request.session)
         if self._prompt_tokens is not None:
             features = await self._prompt_tokens.fill(request.body, features)
-        run = _Run(features, retries, avoid=avoid)
+        run = Run(features, retries, avoid=avoid)
         if avoid:
             run.tried[Role.DECODE] = set(avoid)
+        claimed = self._push.claim(request) if self._push is not None else None
         try:
             if self._lora is not None:
                 await self._lora.ensure(run.features)
@@ -174,6 +149,8 @@ class Orchestrator:
             run.unreserve()
             if run.trials:
                 self._free_unused_trials(run.trials)
+            if self._push is not None:
+                self._push.release(claimed)
 
     def _free_unused_trials(self, trials: list[Endpoint]) -> None:
         """A half-open trial this request took but never sent a leg to (the other leg
@@ -182,7 +159,7 @@ class Orchestrator:
             if endpoint.legs.in_flight == 0:
                 self._outliers.on_abandoned(endpoint)
 
-    async def _handle(self, request: ClientRequest, run: _Run) -> ProxyResponse:
+    async def _handle(self, request: ClientRequest, run: Run) -> ProxyResponse:
         if self._room is not None:
             await self._wait_room(Role.PREFILL, request, run)
         decision = self._pick(run)
@@ -192,25 +169,16 @@ class Orchestrator:
             computed = self._prefill_size(run, decision).tokens
             self._deadlines.check(request.ticket, decision, computed, is_streaming(request.body))
         transfer = self._connector.begin(decision, request.request_id)
-        _log_decision(transfer, "routed")
+        log_decision(transfer, "routed")
         answer: dict[str, Any] | None = None
+        concurrent = self._concurrent(request, transfer)
         while True:
             decoding = False
             try:
-                if self._connector.runs_concurrently(transfer):
-                    size = self._prefill_size(run, transfer.decision)
-                    if self._room is not None:
-                        await self._wait_room(Role.DECODE, request, run)
-                    return await self._legs.concurrent(request, transfer, size)
+                if concurrent:
+                    return await self._both_legs(request, run, transfer)
                 if answer is None:
-                    run.reserve(transfer.decision.decode)
-                    self._legs.prepare_decode(request, transfer.decision.decode)
-                    started = time.perf_counter()
-                    size = self._prefill_size(run, transfer.decision)
-                    answer = await self._legs.prefill(request, transfer, size)
-                    self._observe_prefill(
-                        transfer.decision, time.perf_counter() - started, answer, run
-                    )
+                    answer = await self._prefill_leg(request, run, transfer)
                 run.unreserve()
                 if self._room is not None:
                     await self._decode_room(request, run, transfer, answer)
@@ -219,10 +187,7 @@ class Orchestrator:
                     early = self._first_token.answer(request, transfer, answer)
                     if early is not None:
                         return early
-                response = await self._legs.decode(request, transfer, answer)
-                if self._deadlines is not None:
-                    self._deadlines.observe_after_prefill(response.stream is not None)
-                return response
+                return await self._decode_leg(request, transfer, answer)
             except UpstreamError as error:
                 failure = error
             except asyncio.CancelledError:
@@ -237,13 +202,57 @@ class Orchestrator:
                 fallback = DecodeOnly(decision.decode, NO_PREFILL, decision.decode_dp_rank)
                 return await self._decode_only(request, run, fallback)
             try:
-                transfer, answer = await self._recover(run, request, transfer, answer, failure)
+                retried, answer = await self._recover(run, request, transfer, answer, failure)
             except asyncio.CancelledError:
                 if answer is not None:  # the client left during a backoff
                     self._release.orphaned(request, transfer, answer, failed=None)
                 raise
+            if answer is None:  # a fresh transfer (else the decode retried on P's answer)
+                concurrent = self._concurrent(request, retried)
+            transfer = retried
 
-    async def _wait_room(self, role: Role, request: ClientRequest, run: _Run) -> None:
+    async def _both_legs(
+        self, request: ClientRequest, run: Run, transfer: Transfer
+    ) -> ProxyResponse:
+        """A concurrent transfer: both legs at once (nixl-push's own runner where set)."""
+        size = self._prefill_size(run, transfer.decision)
+        if self._room is not None:
+            await self._wait_room(Role.DECODE, request, run)
+        if self._push is not None:
+            return await self._push.run(request, transfer, size)
+        return await self._legs.concurrent(request, transfer, size)
+
+    async def _prefill_leg(
+        self, request: ClientRequest, run: Run, transfer: Transfer
+    ) -> dict[str, Any]:
+        """A serial transfer's prefill, its decode reserved (and a connection readied)."""
+        run.reserve(transfer.decision.decode)
+        self._legs.prepare_decode(request, transfer.decision.decode)
+        started = time.perf_counter()
+        answer = await self._legs.prefill(
+            request, transfer, self._prefill_size(run, transfer.decision)
+        )
+        self._observe_prefill(transfer.decision, time.perf_counter() - started, answer, run)
+        return answer
+
+    async def _decode_leg(
+        self, request: ClientRequest, transfer: Transfer, answer: dict[str, Any]
+    ) -> ProxyResponse:
+        if self._push is not None:  # a serial push's stream is bounded by --push-wait-secs
+            response = await self._push.decode(request, transfer, answer)
+        else:
+            response = await self._legs.decode(request, transfer, answer)
+        if self._deadlines is not None:
+            self._deadlines.observe_after_prefill(response.stream is not None)
+        return response
+
+    def _concurrent(self, request: ClientRequest, transfer: Transfer) -> bool:
+        """Whether ``transfer``'s legs go at once (nixl-push decides per request)."""
+        if self._push is not None:
+            return self._push.concurrent(request, transfer)
+        return self._connector.runs_concurrently(transfer)
+
+    async def _wait_room(self, role: Role, request: ClientRequest, run: Run) -> None:
         """Flow control: wait, in the tenants' order, until ``role`` has an instance with
         room for this request's leg (``LegRoom``)."""
         assert self._room is not None
@@ -255,7 +264,7 @@ class Orchestrator:
         await self._room.wait(role, pool, request.ticket)
 
     async def _decode_room(
-        self, request: ClientRequest, run: _Run, transfer: Transfer, answer: dict[str, Any]
+        self, request: ClientRequest, run: Run, transfer: Transfer, answer: dict[str, Any]
     ) -> None:
         """The decode leg's wait for room, its prefill done: a wait that ends in a 429
         releases the KV the prefill holds for a decode that will never read it."""
@@ -266,7 +275,7 @@ class Orchestrator:
             raise
 
     def _observe_prefill(
-        self, decision: PairDecision, seconds: float, answer: dict[str, Any], run: _Run
+        self, decision: PairDecision, seconds: float, answer: dict[str, Any], run: Run
     ) -> None:
         """The prefill's speed, per token it computed (its prompt less its hit): a leg
         that hit the cache did less work, not faster work (``scheduling.speed``)."""
@@ -274,14 +283,14 @@ class Orchestrator:
         computed = computed_tokens(tokens, answer, decision.prefill_cached)
         self._scheduler.speeds.observe(decision.prefill, seconds, tokens, computed)
 
-    def _prefill_size(self, run: _Run, decision: PairDecision) -> LegSize:
+    def _prefill_size(self, run: Run, decision: PairDecision) -> LegSize:
         """How the prefill leg counts while it runs: its weight in typical requests, and
         the prompt tokens it has to compute (less the hit its events predict)."""
         tokens = run.features.tokens
         uncached = max(tokens - (decision.prefill_cached or 0), 0.0)
         return LegSize(self._scheduler.speeds.weight(tokens), uncached)
 
-    def _prefills_exhausted(self, run: _Run, transfer: Transfer, failure: UpstreamError) -> bool:
+    def _prefills_exhausted(self, run: Run, transfer: Transfer, failure: UpstreamError) -> bool:
         """Under ``--decode-only-fallback``: a retryable prefill failure with every other
         prefill already tried by this request (or none left) goes to the decode alone."""
         if not self._scheduler.decode_only_fallback or failure.leg != "prefill":
@@ -292,7 +301,7 @@ class Orchestrator:
         return not self._usable(self._pool(Role.PREFILL, run.features.model), tried)
 
     async def _decode_only(
-        self, request: ClientRequest, run: _Run, decision: DecodeOnly
+        self, request: ClientRequest, run: Run, decision: DecodeOnly
     ) -> ProxyResponse:
         """The request as a plain one on a decode, retried on another decode like a
         decode leg (before the first byte, within the budget)."""
@@ -313,7 +322,7 @@ class Orchestrator:
 
     async def _recover(
         self,
-        run: _Run,
+        run: Run,
         request: ClientRequest,
         transfer: Transfer,
         answer: dict[str, Any] | None,
@@ -335,16 +344,21 @@ class Orchestrator:
         except UpstreamError:  # no retry left, or no instance to retry on
             self._orphan(request, transfer, answer, failed)
             raise
-        decision = _replaced(transfer.decision, role, chosen, rank)
+        decision = replaced(transfer.decision, role, chosen, rank)
+        if role is Role.PREFILL and self._outliers.stranded(decision.decode):
+            # A push decode stranded by the failed prefill is out of rotation: another.
+            decodes = self._usable(self._pool(Role.DECODE, run.features.model), run.avoid)
+            decode, decode_rank = self._retries.pick(run, Role.DECODE, decodes)
+            decision = replaced(decision, Role.DECODE, decode, decode_rank)
         logger.debug("%s: %s leg failed (%s), retrying", transfer.request_id, error.leg, reason)
         if answer is not None:
             if self._connector.decode_retry_reuses_prefill(transfer, reason):
                 retried = dataclasses.replace(transfer, decision=decision)
-                _log_decision(retried, "decode retried with the same prefill")
+                log_decision(retried, "decode retried with the same prefill")
                 return retried, answer
             self._orphan(request, transfer, answer, failed)
         fresh = self._connector.begin(decision, request.request_id)
-        _log_decision(fresh, "retried")
+        log_decision(fresh, "retried")
         return fresh, None
 
     def _orphan(
@@ -357,7 +371,7 @@ class Orchestrator:
         if answer is not None:
             self._release.orphaned(request, transfer, answer, failed=failed)
 
-    def _pick(self, run: _Run) -> PairDecision | DecodeOnly:
+    def _pick(self, run: Run) -> PairDecision | DecodeOnly:
         # The instances serving the request's model (one dict hit): its P and D agree.
         snapshot = self._registry.pools().require(run.features.model)
         view = Snapshot(
@@ -380,16 +394,3 @@ class Orchestrator:
 
     def _usable(self, pool: tuple[Endpoint, ...], avoid: Collection[str]) -> tuple[Endpoint, ...]:
         return self._outliers.usable(pool, avoid)  # shared with the pass-through endpoints
-
-
-def _replaced(
-    decision: PairDecision, role: Role, chosen: Endpoint, rank: int | None
-) -> PairDecision:
-    """``decision`` with ``chosen`` (on DP rank ``rank``) as its instance of ``role``."""
-    # The prediction was for the instance replaced: none for its successor (the self-check
-    # must not compare another engine's hit with it).
-    if role is Role.PREFILL:
-        return dataclasses.replace(
-            decision, prefill=chosen, prefill_dp_rank=rank, prefill_cached=None
-        )
-    return dataclasses.replace(decision, decode=chosen, decode_dp_rank=rank, decode_cached=None)

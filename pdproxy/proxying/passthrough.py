@@ -13,7 +13,7 @@ retry run as a decode leg (``Retries``): the same retry-safe reasons (``resilien
 endpoints, backoff once every decode was tried. A pinned response is never retried
 elsewhere: no other instance holds its conversation. The leg counts on its instance while it
 runs and is judged once (``Verdicts``), like any decode leg; a leg whose request cannot be
-built fails against its instance as nothing sent (``legs.unbuildable``).
+built fails against its instance as nothing sent (``leg_faults.unbuildable``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,13 @@ from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import bind_request_id, current
 from pdproxy.observability.tracing import LegSpan
 from pdproxy.proxying.exchange import ProxyResponse
-from pdproxy.proxying.legs import enter, leave, unbuildable
-from pdproxy.proxying.relay import RESPONSES_SSE, StreamRelay, StreamWatchdog
+from pdproxy.proxying.framing import RESPONSES_SSE
+from pdproxy.proxying.leg_counts import enter, leave
+from pdproxy.proxying.leg_faults import unbuildable
+from pdproxy.proxying.relay import StreamRelay
 from pdproxy.proxying.retries import Retries, RetryRun
 from pdproxy.proxying.verdicts import Verdicts
+from pdproxy.proxying.watchdog import StreamWatchdog
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
 from pdproxy.scheduling.context import RequestFeatures

@@ -10,56 +10,16 @@ reads the continuation's stream in place of the cut one, rewritten to read as on
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import orjson
-
 from pdproxy import errors
-from pdproxy.errors import ProxyError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from pdproxy.errors import ProxyError, UpstreamError, UpstreamProtocolError
+from pdproxy.proxying.framing import OPENAI_SSE, SSE_DONE, Framing
+from pdproxy.proxying.kept_stream import Fold, KeptStream
+from pdproxy.proxying.watchdog import StreamWatchdog
 from pdproxy.wire.continuation import engine_error_at
-
-_DONE = b"data: [DONE]"
-SSE_DONE = _DONE + b"\n\n"
-_TAIL = 32
-_FOLD_BYTES = 256 * 1024  # a resumable stream's kept bytes past this are folded (parsed)
-
-
-def sse_error_event(error: ProxyError) -> bytes:
-    """One terminal SSE error event, followed by ``[DONE]`` as vLLM does after an error."""
-    return b"data: " + orjson.dumps(error.to_dict()) + b"\n\ndata: [DONE]\n\n"
-
-
-def responses_error_event(error: ProxyError) -> bytes:
-    """A Responses API stream's terminal error event (no ``[DONE]``: that API has none);
-    its ``error`` object makes OpenAI's SDKs raise, as for the other streams."""
-    return b"event: error\ndata: " + orjson.dumps(error.to_dict()) + b"\n\n"
-
-
-@dataclass(frozen=True, slots=True)
-class Framing:
-    """How an engine's stream ends: a complete one's last bytes (trailing whitespace
-    stripped) end with one of ``ends``; a cut one is ended with ``error_event``."""
-
-    ends: tuple[bytes, ...]
-    error_event: Callable[[ProxyError], bytes]
-    tail: int = _TAIL  # bytes of the stream's end kept to check it
-
-
-OPENAI_SSE = Framing((_DONE,), sse_error_event)
-# vLLM's /v1/responses stream ends with its terminal event, whose JSON ends with its type
-# (pydantic dumps the openai models' fields in order: ..., sequence_number, type).
-RESPONSES_SSE = Framing(
-    tuple(
-        b'"type":"%s"}' % name
-        for name in (b"response.completed", b"response.incomplete", b"response.failed", b"error")
-    ),
-    responses_error_event,
-    tail=48,
-)
 
 
 class ByteStream(Protocol):
@@ -87,71 +47,6 @@ class Continuation:
 # Called with what the cut stream delivered (the engine's bytes) and why it was cut; returns
 # its continuation, or None when the stream must end with the error event.
 Resume = Callable[[bytes, ProxyError], Awaitable[Continuation | None]]
-# Takes whole events of a long stream's kept bytes (so they need not be kept); False when
-# they show the stream cannot be continued.
-Fold = Callable[[bytes], bool]
-
-
-class StreamWatchdog:
-    """Aborts streams whose engine stayed silent longer than ``idle_timeout``.
-
-    One timer for all streams, checked every ``interval``, instead of a timer re-armed on
-    every chunk of every stream: a stream's only per-chunk cost is stamping its clock.
-    """
-
-    def __init__(
-        self,
-        idle_timeout: float,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        max_event: int = 4 << 20,
-        max_stream: int = 1 << 30,
-    ) -> None:
-        self.idle_timeout = idle_timeout
-        # bytes of one SSE event of a stream, and of a whole stream
-        self.max_event = max_event
-        self.max_stream = max_stream
-        self.clock = clock
-        self.interval = min(1.0, idle_timeout / 4)
-        self._streams: set[StreamRelay] = set()
-        self._task: asyncio.Task[None] | None = None
-
-    def watch(self, relay: StreamRelay) -> None:
-        self._streams.add(relay)
-
-    def forget(self, relay: StreamRelay) -> None:
-        self._streams.discard(relay)
-
-    def abort_from(self, origin: str, failure: ProxyError) -> int:
-        """Abort every stream read from the decode ``origin`` (a drain that migrates them:
-        each is continued elsewhere if it may be); returns how many."""
-        streams = [r for r in self._streams if r.origin == origin]
-        for relay in streams:
-            relay.abort(failure)
-        return len(streams)
-
-    def sweep(self) -> None:
-        deadline = self.clock() - self.idle_timeout
-        for relay in [r for r in self._streams if r.last_activity < deadline]:
-            self.forget(relay)
-            relay.abort(
-                UpstreamTimeout(f"decode engine silent for {self.idle_timeout:g} s", leg="decode")
-            )
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            self.sweep()
-
-    def start(self) -> None:
-        """Sweep in a task of the running loop until ``aclose``."""
-        self._task = asyncio.create_task(self.run())
-
-    async def aclose(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
 
 
 class StreamRelay:
@@ -181,13 +76,10 @@ class StreamRelay:
         self._write: Callable[[bytes], bool] | None = None  # relay_directly's
         self.pushed = 0  # bytes handed to it
         self.origin: str | None = None  # the decode's URL, set by the leg that opened it
-        self._resume: Resume | None = None
-        self._kept: list[bytes] | None = None  # the engine's bytes, kept while resumable
-        self._kept_bytes = 0
+        self._resumable: KeptStream[Resume] | None = None  # set while it may migrate
         self._relayed = 0  # the engine's bytes so far
         self._open_event = 0  # bytes since the last event's end
         self._max_stream, self._max_event = watchdog.max_stream, watchdog.max_event
-        self._fold: Fold | None = None
         self._pending: errors.EngineErrorEvent | None = None  # read after events still to hand out
         self._inner: StreamRelay | None = None  # the continuation read in place of this
         self._rewrite: Callable[[bytes], bytes] | None = None
@@ -208,11 +100,12 @@ class StreamRelay:
     def migrate_with(self, resume: Resume, fold: Fold) -> None:
         """Continue this stream with ``resume`` if it is cut; from now on its bytes are
         kept (a reference per chunk) for ``resume`` to read what was generated, those of
-        a long stream handed to ``fold`` every ``_FOLD_BYTES`` so that memory stays bounded."""
-        self._resume, self._fold = resume, fold
-        if self._kept is None:
-            self._kept = [] if self._first is None else [self._first]
-            self._kept_bytes = sum(len(c) for c in self._kept)
+        a long stream handed to ``fold`` every ``FOLD_BYTES`` so that memory stays bounded."""
+        resumable = self._resumable
+        if resumable is None:
+            self._resumable = KeptStream(resume, fold, self._first)
+        else:
+            resumable.resume, resumable.fold = resume, fold
 
     def relay_directly(self, write: Callable[[bytes], bool]) -> None:
         """From now on hand each chunk the engine sends to ``write`` in the engine
@@ -235,7 +128,7 @@ class StreamRelay:
 
     def _push(self, chunk: bytes) -> bool:
         write = self._write
-        stop = self._resume is not None and engine_error_at(chunk) >= 0  # next_chunk's to cut
+        stop = self._resumable is not None and engine_error_at(chunk) >= 0  # next_chunk's to cut
         if stop or write is None or chunk.endswith(SSE_DONE) or not write(chunk):
             self._write = None
             self._upstream.push_to(None)
@@ -260,38 +153,16 @@ class StreamRelay:
             self._open_event += len(chunk)
             if self._open_event > self._max_event:
                 self._oversized(f"an SSE event over {self._max_event} bytes")
-        kept = self._kept
-        if kept is not None:
-            kept.append(chunk)
-            self._kept_bytes += len(chunk)
-            # Folded only when this chunk may end an event: an endless event is never
-            # joined again per chunk (that was quadratic: 28.6 s of CPU for 128 MiB).
-            if self._kept_bytes > _FOLD_BYTES and (
-                b"\n\n" in chunk or (chunk[:1] == b"\n" and self._tail[-1:] == b"\n")
-            ):
-                self._fold_kept(kept)
+        resumable = self._resumable
+        if resumable is not None and not resumable.keep(chunk, self._tail):
+            self._resumable = None  # a fold refused it: it can no longer migrate
         size = self._tail_size
         self._tail = chunk if len(chunk) >= size else (self._tail + chunk)[-size:]
-
-    def _fold_kept(self, kept: list[bytes]) -> None:
-        """Hand the kept bytes' whole events to the fold; keep the rest of the last one.
-        A fold that refuses them ends the stream's chance to migrate."""
-        data = b"".join(kept)
-        end = data.rfind(b"\n\n") + 2
-        fold = self._fold
-        if end < 2 or fold is None:
-            return
-        if not fold(data[:end]):
-            self._kept = self._resume = self._fold = None
-            return
-        rest = data[end:]
-        self._kept = [rest] if rest else []
-        self._kept_bytes = len(rest)
 
     def _oversized(self, what: str) -> None:
         """The engine sent more than a limit allows: the stream cannot migrate (its event
         is unfinished) and ends with the error event; the leg fails as malformed."""
-        self._kept = self._resume = self._fold = None
+        self._resumable = None
         self._write = None
         self._upstream.push_to(None)
         self.abort(UpstreamProtocolError(f"decode engine sent {what}", leg="decode"))
@@ -345,9 +216,10 @@ class StreamRelay:
             return await self._next_continued(self._inner)
         if self._first is not None:
             chunk, self._first = self._first, None
-            if self._resume is None or (at := engine_error_at(chunk)) < 0:
+            resumable = self._resumable
+            if resumable is None or (at := engine_error_at(chunk)) < 0:
                 return chunk
-            self._kept = []  # it is kept again as far as it is handed out
+            resumable.kept = []  # it is kept again as far as it is handed out
             return await self._engine_error(chunk, at)
         if self._done:
             return None
@@ -358,7 +230,7 @@ class StreamRelay:
         except UpstreamError as exc:
             return await self._cut(exc)
         if chunk:
-            if self._resume is not None and (at := engine_error_at(chunk)) >= 0:
+            if self._resumable is not None and (at := engine_error_at(chunk)) >= 0:
                 return await self._engine_error(chunk, at)
             self._seen(chunk)
             return chunk
@@ -380,9 +252,8 @@ class StreamRelay:
 
     async def _cut(self, error: UpstreamError) -> bytes | None:
         """The stream was cut: continue it elsewhere if it may be, else its error event."""
-        resume, kept = self._resume, self._kept
-        self._resume = self._kept = self._fold = self._pending = None
-        if resume is None or kept is None:
+        resumable, self._resumable, self._pending = self._resumable, None, None
+        if resumable is None:
             return self._fail(error)
         # The cut leg ends now (uncounted, judged by its failure), before the continuation's
         # legs are sent; the continuation's relay owns its own leg and is read from here on.
@@ -392,7 +263,7 @@ class StreamRelay:
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
             on_close()
-        continuation = await resume(b"".join(kept), failure)
+        continuation = await resumable.resume(resumable.delivered(), failure)
         if continuation is None:
             return self._fail(error)
         self._failure = None

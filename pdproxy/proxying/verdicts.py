@@ -59,9 +59,16 @@ class Verdicts:
         snapshot = self._registry.snapshot()
         return snapshot.prefill if endpoint.role is Role.PREFILL else snapshot.decode
 
+    def untrusted(self, endpoint: Endpoint, reason: str) -> None:
+        """A leg already judged a success answered what cannot be trusted: a failure."""
+        self._metrics.count_leg_failure(endpoint.role.value, endpoint.url, reason)
+        self._ejected(endpoint, reason, self.outliers.on_untrusted(endpoint, self._peers(endpoint)))
+
     def failure(self, endpoint: Endpoint, reason: str) -> None:
-        if self.outliers.on_failure(endpoint, self._peers(endpoint)):
-            endpoint.legs.kv_sources.clear()  # it may be restarting: its KV connections with it
+        self._ejected(endpoint, reason, self.outliers.on_failure(endpoint, self._peers(endpoint)))
+
+    def _ejected(self, endpoint: Endpoint, reason: str, ejected: bool) -> None:
+        if ejected:
             self._metrics.ejections.labels(endpoint.role.value, endpoint.url).inc()
             logger.warning(
                 "ejected %s %s after %d failures (last: %s), ejection #%d",

@@ -30,12 +30,10 @@ nothing per header field or streamed chunk.
 from __future__ import annotations
 
 import asyncio
-import http
 import logging
 from typing import Any, ClassVar
 
 import httptools
-import orjson
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
@@ -49,6 +47,8 @@ from pdproxy.errors import (
     ProxyError,
     TooManyConnections,
 )
+from pdproxy.runtime.connection_cap import UNLIMITED_FILES_CAP, connection_cap
+from pdproxy.runtime.raw_response import error_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -57,25 +57,11 @@ LINGER = 1.0
 # Deadlines are checked this often (a quarter of the shorter timeout if less), by one timer
 # per connection that runs only while a head or a body is awaited: no timer per request.
 TICK = 1.0
-UNLIMITED_FILES_CAP = 1 << 16  # the connection cap when the open-file limit is unlimited
 # Past the cap with every connection busy: these paths are still served, on at most
 # OVER_CAP_WAITING connections waiting for their request (past that the oldest gets 503).
 PROBE_PATHS = (b"/health", b"/ready")
 OVER_CAP_WAITING = 32
 WARN_EVERY = 10.0  # seconds between two warnings that the cap turned clients away
-
-
-def connection_cap(limits: ClientLimits) -> int:
-    """``limits.max_connections``, or (0) half this process's soft open-file limit, so
-    upstream legs, probes and logs keep the other half."""
-    if limits.max_connections:
-        return limits.max_connections
-    try:
-        import resource
-    except ImportError:  # not a Unix: no limit to read
-        return UNLIMITED_FILES_CAP
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return UNLIMITED_FILES_CAP if soft == resource.RLIM_INFINITY else max(1, soft // 2)
 
 
 def hardened_protocol(limits: ClientLimits) -> type[HardenedProtocol]:
@@ -105,20 +91,6 @@ class Refusals:
             message = "%d client request(s) got 503: all %d client connections busy"
             logger.warning(message + " (--max-client-connections)", self.count, cap)
             self.count, self.warned_at = 0, now
-
-
-def error_bytes(error: ProxyError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
-    """A whole HTTP/1.1 response carrying ``error`` as OpenAI-shaped JSON, ending the
-    connection (Retry-After: 1 on a 503)."""
-    body = orjson.dumps(error.to_dict())
-    phrase = http.HTTPStatus(error.status).phrase.encode()
-    lines = [b"HTTP/1.1 %d %b\r\n" % (error.status, phrase)]
-    lines += [b"%b: %b\r\n" % (name, value) for name, value in default_headers]
-    lines.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
-    if error.status == 503:
-        lines.append(b"retry-after: 1\r\n")
-    lines += [b"connection: close\r\n\r\n", body]
-    return b"".join(lines)
 
 
 class HardenedProtocol(HttpToolsProtocol):

@@ -1,12 +1,12 @@
 """The membership owner: the one process that knows which instances exist.
 
-It runs what a single pdproxy runs beside its requests, and nothing else: the membership
-part of ``create_app``'s services (``start_membership``: the static instances, the ZMQ
-registry socket, the active health checks, the engines' ``/metrics`` scrapes and the
-sweeper; whatever else feeds ``Membership`` there feeds the workers too, with no code here),
-plus the admin API's writes the workers forward and ``MembershipHub``, which publishes the
-registry to the workers. It builds the same state as a single pdproxy, from the same
-function, and serves no HTTP. It has no request in flight, so its instances' in-flight
+It runs what a single pdproxy runs beside its requests, and nothing else: the control plane
+(``pdproxy.membership.control_plane``: the static instances, the ZMQ registry socket, the
+active health checks, the engines' ``/metrics`` scrapes and the sweeper; whatever else feeds
+``Membership`` there feeds the workers too, with no code here), plus the admin API's writes
+the workers forward and ``MembershipHub``, which publishes the registry to the workers. It
+builds the same services as a single pdproxy, from the same function (``build_state``, no
+FastAPI app), and serves no HTTP. It has no request in flight, so its instances' in-flight
 counts stay 0: a drained instance leaves the owner's registry at once, and each worker keeps
 it as DRAINING until its own legs on it end (``pdproxy.membership.workers.link``).
 """
@@ -14,9 +14,13 @@ it as DRAINING until its own legs on it end (``pdproxy.membership.workers.link``
 from __future__ import annotations
 
 import asyncio
+import random
+import time
+
+from prometheus_client import CollectorRegistry
 
 from pdproxy.api.state import AppState
-from pdproxy.app import Services, create_app
+from pdproxy.build import build_state
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.workers import RunDir
 from pdproxy.membership.workers.hub import MembershipHub
@@ -24,9 +28,10 @@ from pdproxy.membership.workers.hub import MembershipHub
 
 class MembershipOwner:
     def __init__(self, config: ProxyConfig, run_dir: RunDir) -> None:
-        app = create_app(config)  # ConfigError: what only the connector knows
-        self.state: AppState = app.state.pdproxy
-        self._services: Services = app.state.services
+        # ConfigError: what only the connector knows
+        self.state: AppState = build_state(
+            config, time.monotonic, CollectorRegistry(), random.Random()
+        )
         self.hub = MembershipHub(
             registry=self.state.registry,
             membership=self.state.membership,
@@ -38,12 +43,12 @@ class MembershipOwner:
         """As a single pdproxy starts: the static instances' first probes and warm-ups are
         awaited, so the workers start with a known fleet."""
         await self.state.client.start()
-        await self._services.start_membership()
+        await self.state.control.start()
         self.hub.start()
         self.state.membership.refresh_gauges()
 
     async def aclose(self) -> None:
         await self.hub.aclose()
-        await self._services.aclose_membership()
+        await self.state.control.aclose()
         await self.state.client.aclose()
         await asyncio.to_thread(self.state.tracer.shutdown)

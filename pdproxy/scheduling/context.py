@@ -38,6 +38,7 @@ class Context:
     now: float  # monotonic
     max_age: float  # engine load figures older than this are ignored
     matches: dict[int, dict[str, int]] = field(default_factory=dict)  # id(index) -> url -> depth
+    keys: dict[int, tuple[int, ...]] = field(default_factory=dict)  # id(index) -> block keys
     _loads_of: Sequence[EndpointView] | None = None  # the last ``loads`` call, reused by plugins
     _loads: list[float] = field(default_factory=list)
 

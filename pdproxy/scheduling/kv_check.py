@@ -2,11 +2,13 @@
 
 Each prefill answer through PD carries the hit vLLM found
 (``kv_transfer_params.remote_prefill_cached_tokens``); it is compared with what the index
-predicted for that engine. A prediction a block or more off is wrong (events lost without a
-gap showing, blocks evicted between the decision and the prefill, a hash the index keyed
-differently); ``bad_in_row`` wrong ones in a row and the engine is distrusted: scored by
-the approximate index (``KVIndex.live`` loses it) while its predictions go on being checked,
-and ``good_in_row`` right ones in a row trust it again. Both changes are logged.
+predicted for that engine. A decode's answer says only the prefill's hit: its prediction
+is checked by the first prompt block it stores (``kv_awaited``). A prediction a block or
+more off is wrong (events lost without a gap showing, blocks evicted between the decision
+and the leg, a hash the index keyed differently); ``bad_in_row`` wrong ones in a row and
+the engine is distrusted: scored by the approximate index (``KVIndex.live`` loses it)
+while its predictions go on being checked, and ``good_in_row`` right ones in a row trust
+it again. Both changes are logged.
 """
 
 from __future__ import annotations

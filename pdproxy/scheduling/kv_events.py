@@ -25,7 +25,9 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdproxy.scheduling.kv_awaited import AwaitedStores
 from pdproxy.scheduling.kv_check import SelfCheck
+from pdproxy.scheduling.kv_keys import root_key
 from pdproxy.scheduling.kv_stale import Staleness
 from pdproxy.scheduling.prefix_index import PrefixIndex
 
@@ -188,36 +190,6 @@ def _part(event: Stored | Removed, start: int, stop: int) -> Stored | Removed:
     return replace(event, block_hashes=hashes, parent=parent, token_ids=tokens)
 
 
-def instance_name(url: str, rank: int) -> str:
-    """An engine rank's name in ``KVIndex`` (each data-parallel rank has its own cache)."""
-    return f"{url}|{rank}"
-
-
-def root_key(lora_name: str | None, first_extra: tuple[Any, ...]) -> int:
-    """The key a prompt's first block chains to: its LoRA and cache salt."""
-    return hash(("pdproxy-kv-root", lora_name, first_extra))
-
-
-def block_keys(
-    token_ids: Sequence[int],
-    block_size: int,
-    *,
-    lora_name: str | None = None,
-    cache_salt: str | None = None,
-    limit: int = 4096,
-) -> tuple[int, ...]:
-    """The chained keys of a prompt's whole blocks (at most ``limit``), as ``KVIndex``
-    keys the engine's events. The first block's extra keys are vLLM's: the LoRA name,
-    then the cache salt."""
-    first: tuple[Any, ...] = tuple(k for k in (lora_name, cache_salt) if k is not None)
-    key = root_key(lora_name, first)
-    keys: list[int] = []
-    for start in range(0, min(len(token_ids) // block_size, limit) * block_size, block_size):
-        key = hash((key, tuple(token_ids[start : start + block_size])))
-        keys.append(key)
-    return tuple(keys)
-
-
 class KVIndex:
     """Which engine (by URL) holds which blocks, exactly, from its events.
 
@@ -226,6 +198,14 @@ class KVIndex:
     removal of a forgotten hash is a no-op, and the key then ages out of the LRU).
     ``stale_after``: seconds without a batch, while sent work, before a rank is stale
     (``kv_stale``; 0: never).
+
+    One per process, owned by the ``Scheduler`` (``Scheduler.kv_index``), read by the
+    ``kv-events`` scorers (``kv_scorer``, ``kv_cost``). Fed from three modules: each
+    rank's ``membership.kv_subscriber`` (``follow``, ``apply``, ``heard``, ``clear``,
+    ``detach``/``drop``, ``unfollow``/``release``), ``membership.kv_fleet`` when a rank
+    leaves (``unfollow``, ``release``), and the ``Scheduler`` itself with what its picks
+    and the prefills' answers teach (``sweep``, ``expect``, ``await_stores``;
+    ``verify`` through ``Scheduler.verify_prefill``, the prefill leg's ``kv_check``).
     """
 
     def __init__(self, max_blocks: int, *, stale_after: float = 0.0) -> None:
@@ -237,6 +217,7 @@ class KVIndex:
         self.live: set[str] = set()
         self.live_version = 0  # bumped by every change of ``live``
         self.check = SelfCheck()
+        self.awaited = AwaitedStores()  # decodes' predictions, checked by their stores
         self.staleness = Staleness(stale_after)
         self.max_blocks = max_blocks
         # the fleet's block size: the one most engines' events state; the requests' keys
@@ -269,6 +250,7 @@ class KVIndex:
 
     def unfollow(self, name: str) -> None:
         self.followed.discard(name)
+        self.awaited.forget(name)
         self.block_sizes.pop(name, None)
         self.live.discard(name)
         self.check.forget(name)
@@ -287,6 +269,12 @@ class KVIndex:
         if self.staleness.heard(name):
             self._refresh(name)
 
+    def await_stores(self, name: str, keys: tuple[int, ...], predicted: int, now: float) -> None:
+        """A decode leg for a prompt of ``keys`` went to ``name``, ``predicted`` tokens
+        cached there: checked when ``name`` stores the first block it lacked (``kv_awaited``)."""
+        if name in self.followed and self.block_size > 0:
+            self.awaited.add(name, keys, predicted // self.block_size, now)
+
     def expect(self, name: str, now: float) -> None:
         """A leg that should store new blocks on ``name`` was sent at ``now``."""
         if name in self.followed:
@@ -296,6 +284,7 @@ class KVIndex:
         """Ranks whose events went stale by ``now`` leave ``live``."""
         for name in self.staleness.sweep(now):
             self._refresh(name)
+        self.awaited.sweep(now)
 
     def _refresh(self, name: str) -> None:
         """``name`` is live iff followed, trusted by the self-check and not stale."""
@@ -346,6 +335,7 @@ class KVIndex:
         """Forget ``url``'s engine hashes at once (its next stores start afresh); returns
         its keys, which ``drop`` takes out of the prefix index, all at once or in turns."""
         known = self._keys.pop(url, None)
+        self.awaited.forget(url)  # what it was predicted to hold is gone with it
         return list(known.values()) if known else []
 
     def drop(self, url: str, keys: Sequence[int]) -> None:
@@ -384,6 +374,9 @@ class KVIndex:
             known[engine_hash] = key
             keys.append(key)
         self.prefixes.insert(keys, url)
+        checked = self.awaited.stored(url, keys)
+        if checked is not None:  # a decode's first missing block: its hit, in blocks
+            self.verify(url, checked[0] * size, checked[1] * size)
         while len(known) > self.max_blocks:
             stale.append(known.popitem(last=False)[1])
         if stale:  # every key of url's in the prefix index stays one of ``known``'s

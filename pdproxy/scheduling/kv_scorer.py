@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdproxy.scheduling.context import Context
-from pdproxy.scheduling.kv_events import KVIndex, block_keys, instance_name
+from pdproxy.scheduling.kv_events import KVIndex
+from pdproxy.scheduling.kv_keys import block_keys, instance_name
 from pdproxy.scheduling.scorers import PrefixScorer
 from pdproxy.scheduling.view import EndpointView
 
@@ -107,9 +108,18 @@ def _depths(ctx: Context, index: KVIndex, ids: Sequence[int]) -> dict[str, int]:
     """``index.match`` of the request's blocks, once per decision (both legs share it)."""
     depths = ctx.matches.get(id(index))
     if depths is None:
-        keys = block_keys(ids, index.block_size, cache_salt=ctx.features.cache_salt)
-        depths = ctx.matches[id(index)] = index.match(keys)
+        depths = ctx.matches[id(index)] = index.match(prompt_keys(ctx, index, ids))
     return depths
+
+
+def prompt_keys(ctx: Context, index: KVIndex, ids: Sequence[int]) -> tuple[int, ...]:
+    """The request's block keys at ``index``'s block size, once per decision."""
+    keys = ctx.keys.get(id(index))
+    if keys is None:
+        keys = ctx.keys[id(index)] = block_keys(
+            ids, index.block_size, cache_salt=ctx.features.cache_salt
+        )
+    return keys
 
 
 def _best_depth(endpoint: EndpointView, live: set[str], depths: dict[str, int]) -> int | None:

@@ -18,6 +18,17 @@ from collections.abc import Iterable
 
 
 class PrefixIndex:
+    """Two kinds live in a process, each with one owner:
+
+    * a policy's approximate index (``prefix-affinity``, and ``kv-events`` for the
+      instances without live events), owned by its ``RolePolicy`` (``RolePolicy.index``)
+      and read by its ``PrefixScorer`` and the scheduler's decider; fed from two places in
+      ``scheduling``: each pick of its policy (``RolePolicy.choose``: ``insert``) and an
+      instance's removal from the registry (``Scheduler.forget``: ``forget``, the
+      registry's ``on_removal`` listener wired by ``pdproxy.build``);
+    * the exact index inside a ``KVIndex`` (``KVIndex.prefixes``), fed by that
+      ``KVIndex`` alone (``insert``, ``remove``, ``release``) from the engines' events."""
+
     def __init__(self, max_blocks: int) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be >= 1")

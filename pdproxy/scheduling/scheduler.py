@@ -19,14 +19,16 @@ from pdproxy.scheduling import Decider
 from pdproxy.scheduling.context import Context, RequestFeatures
 from pdproxy.scheduling.deciders import AlwaysDisaggregate, PromptSizeDecider
 from pdproxy.scheduling.features import FeatureConfig, extract
-from pdproxy.scheduling.kv_events import KVIndex, instance_name
-from pdproxy.scheduling.kv_scorer import predicted_tokens
+from pdproxy.scheduling.kv_events import KVIndex
+from pdproxy.scheduling.kv_keys import instance_name
+from pdproxy.scheduling.kv_scorer import predicted_tokens, prompt_keys
 from pdproxy.scheduling.policies import RolePolicy, build_policy
 from pdproxy.scheduling.ranks import RankChooser
 from pdproxy.scheduling.scorers import prefix_matches
 from pdproxy.scheduling.speed import SpeedTracker
 from pdproxy.scheduling.view import EndpointView
 from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
+from pdproxy.wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_PREFILL_CACHED_TOKENS
 
 KV_EVENTS = "kv-events"
 SHORT_PROMPT = "short_prompt"
@@ -153,6 +155,12 @@ class Scheduler:
         for endpoint, rank, cached in legs:
             if cached is not None and cached < whole:
                 self.kv_index.expect(instance_name(endpoint.url, rank or 0), ctx.now)
+        cached, decode = decision.decode_cached, decision.decode
+        if cached is not None and cached < whole and decode.dp_size <= 1:
+            # vLLM's answer reports the prefill's hit, not the decode's: the decode's is
+            # the first block of the prompt it stores (``kv_awaited``)
+            keys = prompt_keys(ctx, self.kv_index, ids)
+            self.kv_index.await_stores(instance_name(decode.url, 0), keys, cached, ctx.now)
 
     def pick(
         self, role: Role, features: RequestFeatures, candidates: Sequence[Endpoint]
@@ -174,10 +182,10 @@ class Scheduler:
         prediction against it (``kv_check``). Only for one-rank prefills, whose hit is the
         rank the prediction was made for. Returns (predicted, actual) when checked."""
         predicted = decision.prefill_cached
-        params = answer.get("kv_transfer_params")
+        params = answer.get(KV_TRANSFER_PARAMS)
         if predicted is None or decision.prefill.dp_size > 1 or not isinstance(params, dict):
             return None
-        actual = params.get("remote_prefill_cached_tokens")
+        actual = params.get(REMOTE_PREFILL_CACHED_TOKENS)
         if not isinstance(actual, int) or isinstance(actual, bool):
             return None
         self.kv_index.verify(instance_name(decision.prefill.url, 0), predicted, actual)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdproxy.types import Endpoint, Role
+from pdproxy.wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_PREFILL_CACHED_TOKENS
 
 _ALPHA = 0.2  # weight of an instance's newest measurement
 _FIT_ALPHA = 0.05  # weight of a role's newest leg in its fit (it sees every instance's)
@@ -55,9 +56,9 @@ def computed_tokens(
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict):
             hit = _tokens(details.get("cached_tokens"))
-    params = answer.get("kv_transfer_params")
+    params = answer.get(KV_TRANSFER_PARAMS)
     if isinstance(params, dict):
-        reported = _tokens(params.get("remote_prefill_cached_tokens"))
+        reported = _tokens(params.get(REMOTE_PREFILL_CACHED_TOKENS))
         hit = hit if reported is None else reported
     if prompt is None:
         prompt = estimated
@@ -120,6 +121,15 @@ class _Fit:
 
 
 class SpeedTracker:
+    """The prefills' speeds: each role's fit, the typical prompt, and each endpoint's
+    ``Speed`` record (its one writer).
+
+    One per process, owned by the ``Scheduler`` (``Scheduler.speeds``). Fed by one caller:
+    the orchestrator, with each successful prefill leg (``observe``). Read by the
+    orchestrator (``weight``: a prefill leg's load), ``proxying.deadlines``
+    (``prefill_seconds``) and, through ``Speed.slowness``, by ``Context.loads`` and
+    ``kv_cost``."""
+
     def __init__(self, alpha: float = _ALPHA) -> None:
         self._alpha = alpha
         self._fits: dict[Role, _Fit] = {}

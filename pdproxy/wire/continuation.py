@@ -28,6 +28,7 @@ from pdproxy.wire.shaping import (
     MESSAGES,
     MIN_TOKENS,
     PROMPT,
+    REQUEST_ID,
     SAMPLING_PARAMS,
     TOKEN_IDS,
 )
@@ -39,7 +40,7 @@ _EVENT_END = b"\n\n"
 _DONE = b"[DONE]"
 # The fields that say which response a chunk belongs to; the continuation's take the
 # original's values.
-_IDENTITY = ("id", "request_id", "created", "model", "system_fingerprint")
+_IDENTITY = ("id", REQUEST_ID, "created", "model", "system_fingerprint")
 # Structured output: the grammar's state at the cut cannot be handed to another engine.
 _STRUCTURED = (
     "guided_json",

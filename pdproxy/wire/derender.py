@@ -32,6 +32,8 @@ from typing import Any
 import orjson
 
 from pdproxy.types import ApiKind
+from pdproxy.wire.kv_params import KV_TRANSFER_PARAMS
+from pdproxy.wire.shaping import REQUEST_ID
 
 _GENERATE_PREFIX = "generate-tokens-"
 _ID_PREFIX = {ApiKind.COMPLETIONS: "cmpl-", ApiKind.CHAT: "chatcmpl-"}
@@ -116,7 +118,7 @@ def whole_answer(ctx: AnswerContext, generated: Mapping[str, Any]) -> bytes:
     kind = ctx.kind
     created = generated.get("created")
     answer: dict[str, Any] = {
-        "id": response_id(kind, generated.get("request_id")),
+        "id": response_id(kind, generated.get(REQUEST_ID)),
         "object": _OBJECT[kind],
         "created": created if isinstance(created, int) else int(time.time()),
         "model": generated.get("model") or ctx.model,
@@ -127,7 +129,7 @@ def whole_answer(ctx: AnswerContext, generated: Mapping[str, Any]) -> bytes:
     }
     if kind is ApiKind.CHAT:
         answer.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
-    answer["kv_transfer_params"] = generated.get("kv_transfer_params")
+    answer[KV_TRANSFER_PARAMS] = generated.get(KV_TRANSFER_PARAMS)
     answer["ec_transfer_params"] = generated.get("ec_transfer_params")
     answer["metrics"] = generated.get("metrics")
     return orjson.dumps(answer)
@@ -159,7 +161,7 @@ class StreamTranslator:
             return event + _EVENT_END
         if not isinstance(chunk, dict) or "error" in chunk:
             return event + _EVENT_END
-        chunk_id = response_id(self._ctx.kind, chunk.get("request_id"))
+        chunk_id = response_id(self._ctx.kind, chunk.get(REQUEST_ID))
         choices = chunk.get("choices") or []
         if not choices:
             return self._usage_chunk(chunk_id, chunk) if chunk.get("usage") else b""

@@ -32,10 +32,11 @@ from typing import Any
 import orjson
 
 from pdproxy.wire.coerce import read_bool, read_int
+from pdproxy.wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID
 from pdproxy.wire.shaping import (
-    KV_TRANSFER_PARAMS,
     MAX_TOKENS,
     MIN_TOKENS,
+    REQUEST_ID,
     SAMPLING_PARAMS,
     STREAM_OPTIONS,
     TOKEN_IDS,
@@ -118,7 +119,7 @@ def first_token(body: Mapping[str, Any], answer: Mapping[str, Any]) -> FirstToke
         finish = "length" if limit == 1 else None  # only the prefill's clamp ended it
     elif finish != "stop":
         return None
-    request_id = answer.get("request_id")
+    request_id = answer.get(REQUEST_ID)
     if not isinstance(request_id, str):
         return None
     stop = choice.get("stop_reason")
@@ -141,7 +142,7 @@ def first_chunk(token: FirstToken) -> bytes:
     if token.text is not None:
         choice["text"], mode = token.text, "text"
     choice["logprobs"] = None
-    chunk: dict[str, Any] = {"request_id": token.request_id, "usage": None, "output_mode": mode}
+    chunk: dict[str, Any] = {REQUEST_ID: token.request_id, "usage": None, "output_mode": mode}
     chunk["choices"] = [choice]
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
@@ -152,7 +153,7 @@ def ended_stream(token: FirstToken, include_usage: bool) -> bytes:
     parts = [first_chunk(token)]
     if include_usage and isinstance(token.usage, dict):
         mode = "tokens" if token.text is None else "text"
-        usage: dict[str, Any] = {"request_id": token.request_id}
+        usage: dict[str, Any] = {REQUEST_ID: token.request_id}
         usage.update(usage=_without_nulls(token.usage), output_mode=mode, choices=[])
         parts.append(b"data: " + orjson.dumps(usage) + b"\n\n")
     parts.append(b"data: [DONE]\n\n")
@@ -270,8 +271,8 @@ def held_blocks(answer: Mapping[str, Any]) -> tuple[str, int, int] | None:
     params = answer.get(KV_TRANSFER_PARAMS)
     if not isinstance(params, dict):
         return None
-    engine, tokens = params.get("remote_engine_id"), params.get("remote_num_tokens")
-    ids = params.get("remote_block_ids")
+    engine, tokens = params.get(REMOTE_ENGINE_ID), params.get("remote_num_tokens")
+    ids = params.get(REMOTE_BLOCK_IDS)
     if not isinstance(engine, str) or type(tokens) is not int or not isinstance(ids, list):
         return None
     if ids and isinstance(ids[0], list):

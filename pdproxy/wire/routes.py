@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pdproxy.types import Endpoint
-from pdproxy.wire.shaping import KV_TRANSFER_PARAMS, JSONBody
+from pdproxy.wire.kv_params import KV_TRANSFER_PARAMS
+from pdproxy.wire.shaping import REQUEST_ID, JSONBody
 
-REQUEST_ID = "request_id"
 PREVIOUS_RESPONSE_ID = "previous_response_id"
 RESPONSE_ID_PREFIX = "resp_"
 _PIN_HEX = 8
@@ -61,8 +61,9 @@ class PassthroughRoute:
         return self.path == RESPONSES
 
 
+TOKENIZE = PassthroughRoute("/tokenize")
 ROUTES: tuple[PassthroughRoute, ...] = (
-    PassthroughRoute("/tokenize"),
+    TOKENIZE,
     PassthroughRoute("/detokenize"),
     PassthroughRoute("/v1/completions/render"),
     PassthroughRoute("/v1/chat/completions/render"),

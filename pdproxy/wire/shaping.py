@@ -19,6 +19,7 @@ from typing import Any
 
 from pdproxy.types import ApiKind
 from pdproxy.wire.coerce import read_bool
+from pdproxy.wire.kv_params import KV_TRANSFER_PARAMS
 
 MODEL = "model"
 PROMPT = "prompt"
@@ -29,11 +30,15 @@ MAX_TOKENS = "max_tokens"
 MAX_COMPLETION_TOKENS = "max_completion_tokens"
 MIN_TOKENS = "min_tokens"
 MIN_COMPLETION_TOKENS = "min_completion_tokens"
-KV_TRANSFER_PARAMS = "kv_transfer_params"
 TOKEN_IDS = "token_ids"
 SAMPLING_PARAMS = "sampling_params"
+# a Responses request's id, and the id generate's answer and chunks carry
+REQUEST_ID = "request_id"
 
 HEADER_REQUEST_ID = "X-Request-Id"
+# The same header as ASGI names it (lower-case): read from a client's request, written on
+# pdproxy's answer.
+REQUEST_ID_KEY = HEADER_REQUEST_ID.lower()
 HEADER_DP_RANK = "X-data-parallel-rank"
 HEADER_AUTHORIZATION = "Authorization"
 HEADER_VIA = "Via"  # the hop markers a leg carries (pdproxy.wire.hop.Hop)

@@ -26,7 +26,8 @@ from engines.ports import free_ports
 from engines.vllm.launch import SMOLLM2, EnginePair, start_engines
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.scheduling import SchedulingConfig
-from pdproxy.scheduling.kv_events import KVIndex, block_keys, instance_name
+from pdproxy.scheduling.kv_events import KVIndex
+from pdproxy.scheduling.kv_keys import block_keys, instance_name
 from pdproxy.types import EngineAddress
 from pdproxy.wire.local_tokenizer import LocalTokenizer
 from tests.e2e.conftest import SHARED_FLAGS, post, wait_until
@@ -160,6 +161,24 @@ async def test_prediction_equals_vllms_cached_tokens_and_a_restart_is_relearned(
         # ... and the prediction is exactly the hit it reports through PD.
         assert _cached(answer) == predicted > 2 * BLOCK
         assert fleet.status()["instances"][instance_name(engines.prefill_url, 0)]["malformed"] == 0
+        # The decode's own predictions are checked by the first block it stores
+        # (kv_awaited): vLLM stores exactly the prompt blocks it lacked. A prompt with new
+        # whole blocks past the shared prefix (predicted: the prefix), and a new one
+        # (predicted: nothing).
+        decode = instance_name(engines.decode_url, 0)
+        tail = " ".join(f"tail{i}" for i in range(3 * BLOCK))
+        for text in (SHARED + tail, tail + " and a prompt of its own"):
+            await _generate(
+                proxy.url, engines.model, await _token_ids(proxy.url, engines.model, text)
+            )
+
+        def checked() -> int:
+            figures = fleet.index.check.figures.get(decode)
+            return 0 if figures is None else figures.checked
+
+        await wait_until(lambda: checked() >= 2, 30)
+        figures = fleet.index.check.figures[decode]
+        assert figures.wrong == 0 and figures.predicted_tokens > 2 * BLOCK, figures
 
         restarted = kv_pair.restart()  # the same ports; new processes, empty caches
         assert restarted.prefill_url == engines.prefill_url

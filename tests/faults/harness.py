@@ -82,12 +82,20 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def fleet(
-    *, n_prefill: int = 2, n_decode: int = 2, proxy: dict[str, Any] | None = None, **sim: Any
+    *,
+    n_prefill: int = 2,
+    n_decode: int = 2,
+    proxy: dict[str, Any] | None = None,
+    prefill_sim: dict[str, Any] | None = None,
+    **sim: Any,
 ) -> AsyncIterator[Fleet]:
-    common = dict(connector="nixl", model=MODEL, strict=True, **sim)
+    """``sim`` configures every engine, ``prefill_sim`` the prefills alone."""
+    connector = sim.pop("connector", "nixl")  # the sim's and pdproxy's alike
+    common = dict(connector=connector, model=MODEL, strict=True, **sim)
+    prefill = {**common, **(prefill_sim or {})}
     async with contextlib.AsyncExitStack() as stack:
         prefills = [
-            await stack.enter_async_context(running_sim(SimConfig(role="prefill", **common)))
+            await stack.enter_async_context(running_sim(SimConfig(role="prefill", **prefill)))
             for _ in range(n_prefill)
         ]
         decodes = [
@@ -101,7 +109,7 @@ async def fleet(
         config = ProxyConfig(
             prefill=tuple(EngineAddress(url=s.url) for s in prefills),
             decode=tuple(EngineAddress(url=s.url) for s in decodes),
-            kv_connector="nixl",
+            kv_connector=connector,
             **settings,
         )
         running = await stack.enter_async_context(running_proxy(config))
@@ -217,7 +225,7 @@ async def assert_settled(f: Fleet) -> None:
         )
         admission = state.admission
         return (
-            state.in_flight == 0
+            state.in_flight.count == 0
             and (
                 admission is None
                 or (

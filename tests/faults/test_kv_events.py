@@ -18,7 +18,7 @@ import pytest
 from engines.sim import SimConfig, model, running_sim
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.scheduling import SchedulingConfig
-from pdproxy.scheduling.kv_events import block_keys, instance_name
+from pdproxy.scheduling.kv_keys import block_keys, instance_name
 from pdproxy.types import EngineAddress
 from tests.faults.harness import (
     GENERATE,
@@ -50,7 +50,11 @@ async def kv_fleet(
     encoding: str = "map",
     stale_secs: float = 30.0,
     tokenizer: str | None = None,
+    more_prefills: tuple[EngineAddress, ...] = (),
+    more_decodes: tuple[EngineAddress, ...] = (),
 ) -> AsyncIterator[Fleet]:
+    """2P2D sims publishing their KV events, pdproxy on kv-events in front; ``more_prefills``
+    and ``more_decodes`` (not sims of the fleet, not waited for) join the pools."""
     events = f"ipc://{tmp}/{{port}}.events"
     replay = f"ipc://{tmp}/{{port}}.replay"
     common: dict[str, Any] = dict(
@@ -80,8 +84,8 @@ async def kv_fleet(
             tokenizers=() if tokenizer is None else (("", tokenizer),),
         )
         config = ProxyConfig(
-            prefill=tuple(EngineAddress(url=s.url) for s in prefills),
-            decode=tuple(EngineAddress(url=s.url) for s in decodes),
+            prefill=(*(EngineAddress(url=s.url) for s in prefills), *more_prefills),
+            decode=(*(EngineAddress(url=s.url) for s in decodes), *more_decodes),
             kv_connector="nixl",
             timeouts=TIMEOUTS,
             health=HEALTH,

@@ -1,5 +1,5 @@
-"""``python -m tests.hostile.kv_flood PORT SECONDS [clears]``: a hostile engine's KV-event
-publisher.
+"""``python -m tests.hostile.kv_flood PORT SECONDS [clears|garbage]``: a hostile engine's
+KV-event publisher.
 
 Binds vLLM's PUB socket on 127.0.0.1:PORT, prints ``ready``, then for SECONDS publishes
 batches just under pdproxy's bound on a batch (``kv_subscriber._MAX_BYTES``) made of
@@ -7,8 +7,10 @@ one-token blocks (the most blocks a byte can carry: about 180,000 a batch, each 
 chain from the root, so the index fills and evicts), and every third batch one over the
 bound. With ``clears``: one batch that fills the index, then every ``PERIOD`` a batch of ten
 ``AllBlocksCleared`` (a 100-odd-byte batch; before issue 29 each clear walked the whole
-index) followed by the fill again. Then one JSON line: the batches sent. A process of its
-own, so packing them never counts in the test's figures.
+index) followed by the fill again. With ``garbage``: batches of tens of bytes whose
+one event cannot be applied, or whose payload is not msgpack, as fast as ZMQ takes them
+(before issue 29 each of the first logged a whole traceback). Then one JSON line: the
+batches sent. A process of its own, so packing them never counts in the test's figures.
 """
 
 from __future__ import annotations
@@ -67,6 +69,29 @@ async def clears(port: int, seconds: float) -> None:
     await publisher.aclose()
 
 
+async def garbage(port: int, seconds: float) -> None:
+    publisher = KVEventPublisher(f"tcp://127.0.0.1:{port}", buffer_steps=1)
+    # an event that decodes but cannot be applied: extra keys that cannot be hashed (before
+    # issue 29, a traceback each), and an unhashable LoRA name
+    fields = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None}
+    fields |= {"token_ids": [1], "block_size": 1}
+    bad = [{**fields, "extra_keys": [[[1]]]}, {**fields, "lora_name": [1]}]
+    sent = {"garbage": 0}
+    print("ready", flush=True)
+    await asyncio.sleep(0.5)  # past ZMQ's slow joiner
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for n in range(100):  # events that cannot be applied, then a payload not msgpack
+            if n % 2:
+                publisher.publish([bad[n % 4 // 2]])
+            else:
+                publisher.publish_raw(b"\xc1" * 24)
+        sent["garbage"] += 100
+        await asyncio.sleep(0.01)
+    print(json.dumps(sent), flush=True)
+    await publisher.aclose()
+
+
 if __name__ == "__main__":
-    run = clears if sys.argv[3:] == ["clears"] else main
+    run = {"clears": clears, "garbage": garbage}.get(sys.argv[3] if sys.argv[3:] else "", main)
     asyncio.run(run(int(sys.argv[1]), float(sys.argv[2])))

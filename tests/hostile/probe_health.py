@@ -1,6 +1,8 @@
-"""``python -m tests.hostile.probe_health PORT``: GET /health on 127.0.0.1:PORT on a new
-connection every 20 ms, as an orchestrator probes, until stdin closes; then one JSON line:
-each probe's seconds and the answers that were not 200.
+"""``python -m tests.hostile.probe_health PORT [CONTROL]``: GET /health on 127.0.0.1:PORT on a
+new connection every 20 ms, as an orchestrator probes, until stdin closes; then one JSON line:
+each probe's seconds, the answers that were not 200, and (with a CONTROL port, a
+``control_health`` server) the seconds of the same request to the control, sent right after
+each probe: what the machine itself added at that moment.
 
 A process of its own, so the attack's own work in the test process (its event loop, the
 GIL) never counts in the latencies.
@@ -33,7 +35,9 @@ def probe(port: int) -> bytes:
 
 def main() -> None:
     port = int(sys.argv[1])
+    control = int(sys.argv[2]) if len(sys.argv) > 2 else None
     latencies: list[float] = []
+    controls: list[float] = []
     failures: list[str] = []
     deadline = time.monotonic() + LONGEST
     while time.monotonic() < deadline:
@@ -42,9 +46,13 @@ def main() -> None:
         latencies.append(time.perf_counter() - started)
         if not answer.startswith(b"HTTP/1.1 200"):
             failures.append(answer[:200].decode(errors="replace"))
+        if control is not None:
+            started = time.perf_counter()
+            probe(control)
+            controls.append(time.perf_counter() - started)
         if select.select([sys.stdin], [], [], EVERY)[0]:  # stdin closed: the attack is over
             break
-    print(json.dumps({"latencies": latencies, "failures": failures}))
+    print(json.dumps({"latencies": latencies, "failures": failures, "control": controls}))
 
 
 if __name__ == "__main__":

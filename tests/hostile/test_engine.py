@@ -216,6 +216,27 @@ async def test_the_largest_chunk_size_meets_the_cap() -> None:
         await refused(attack, proxy={"pool": CAP})
 
 
+@pytest.mark.parametrize("size", [b"ffffffffffffffff", b"%x" % (4 * MiB + 1)])
+async def test_a_chunk_size_over_the_cap_ends_a_stream_before_its_bytes(size: bytes) -> None:
+    """Issue 29: httptools takes any chunk size up to 2**64 - 1, and the bytes after such a
+    size line were relayed to the streaming client as content until the read deadline (the
+    stream did not end within 5 s). The size is read before the parser takes the bytes: the
+    leg is malformed, the stream ends with the error event at once, none of them relayed."""
+
+    async def attack(exchange: Exchange, writer: Writer) -> None:
+        writer.write(SSE_HEAD + FIRST_EVENT)  # the client's stream has begun
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        start = size + b"\r\n" + b"data: LEAKED\n\n"
+        await endless(writer, start, b"LEAKED" * 10000, most=64 * MiB)
+
+    async with fleet(decode=attacked(attack, good_decode), pool=CAP) as f:
+        attacks, _ = await drive(f, stream=True, seconds=0.5, attackers=1)
+    for answer in attacks:
+        _ended_with_error(answer)
+        assert b"LEAKED" not in answer.body, answer.body[:300]
+
+
 @pytest.mark.parametrize("coding", [b"gzip", b"deflate"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_a_coded_answer_is_decoded(coding: bytes, stream: bool) -> None:

@@ -3,7 +3,8 @@ bound on a batch's size, made of the most blocks a byte can carry, into a full i
 batches over the bound. pdproxy applies each batch in turns of ``_TURN_BLOCKS`` blocks
 (before, a batch of 180,000 blocks held the loop for a second, and a store into a full index
 cost 35-80 us a block): /health stays fast, every client gets its own answer, the index
-stays within its cap and memory bounded."""
+stays within its cap and memory bounded. Batches that cannot be applied or decoded are
+counted and logged at a limited rate (before issue 29: a traceback each)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,21 @@ async def test_batches_of_clears_into_a_full_index_never_stall_pdproxy(tmp_path)
     assert sent["clears"] >= 3, sent
     ranks = status["instances"].values()
     assert len(ranks) == 2 and all(r["batches"] >= sent["clears"] for r in ranks), status
+
+
+async def test_a_flood_of_malformed_batches_is_counted_and_logged_at_a_limited_rate(tmp_path):
+    # Issue 29: each bad batch logged a whole traceback, unlimited (5,000 batches of 39
+    # bytes: 5 MB of log). They are counted, and logged at most once per 10 s per kind,
+    # without tracebacks.
+    port = free_port()
+    async with pdproxy(tmp_path, *_flags(port, MAX_BLOCKS)) as proxy:
+        sent, _ = await _flooded(proxy, port, "garbage")
+        status = await _status(proxy.url)
+        log = proxy.log().splitlines()
+    lines = [x for x in log if "Traceback" in x or " pdproxy.membership." in x]
+    malformed = sum(r["malformed"] for r in status["instances"].values())
+    assert sent["garbage"] >= 5000 and malformed >= 1000, (sent, status)
+    assert not any("Traceback" in line for line in lines), lines[:5]
+    # once per 10 s per kind (not applied, undecodable) and per subscriber (two)
+    bad = [line for line in lines if " WARNING " in line or " ERROR " in line]
+    assert len(bad) <= 4, bad

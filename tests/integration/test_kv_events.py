@@ -14,7 +14,8 @@ import zmq.asyncio
 
 from engines.sim.kv_events import KVEventPublisher, cleared, removed, stored
 from pdproxy.membership.kv_subscriber import KVEventSubscriber
-from pdproxy.scheduling.kv_events import KVIndex, block_keys
+from pdproxy.scheduling.kv_events import KVIndex
+from pdproxy.scheduling.kv_keys import block_keys
 
 TOKENS = list(range(1000, 1064))  # 4 blocks of 16
 KEYS = block_keys(TOKENS, 16)

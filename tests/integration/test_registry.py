@@ -401,7 +401,7 @@ async def test_serve_loop_survives_an_escaping_exception_and_stops_promptly(capl
         running_sim(SimConfig(role="prefill", model=MODEL)) as p,
         dealer(endpoint) as sock,
     ):
-        zmq_registry = proxy.app.state.zmq_registry
+        zmq_registry = proxy.state.control.zmq
         monkeypatch.setattr(zmq_registry, "_handle", _fail_once(zmq_registry._handle))
         errors = proxy.state.metrics.registry_messages.labels("error")
         await sock.send(p2p("P", p))  # lost: _handle raises past its own guards

@@ -152,5 +152,5 @@ async def test_no_release_when_the_decode_had_the_leg():
             await _wait(lambda: any(dec.generation_requests() for dec in d.decodes))
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        await _wait(lambda: d.proxy.state.in_flight == 0)
+        await _wait(lambda: d.proxy.state.in_flight.count == 0)
         assert _metric(d.proxy, "pdproxy_released_kv_total", outcome="released") == 0

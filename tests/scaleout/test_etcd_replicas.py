@@ -23,7 +23,7 @@ from engines.sim import SimConfig, running_sim
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.registry import RegistryConfig, SharedRegistryConfig
 from pdproxy.config.scheduling import SchedulingConfig
-from pdproxy.scheduling.kv_events import instance_name
+from pdproxy.scheduling.kv_keys import instance_name
 from pdproxy.types import EndpointState, Role
 from tests.integration.conftest import MODEL
 from tests.scaleout.etcd_server import EtcdServer

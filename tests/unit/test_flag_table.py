@@ -32,6 +32,7 @@ SAMPLES: dict[str, list[str]] = {
     "--lora-modules": ["--lora-modules", "sql=/a"],
     "--lora-load-on-demand": ["--lora-load-on-demand", "--lora-modules", "sql=/a"],
     "--transfer-mode": ["--transfer-mode", "write"],
+    "--push-dispatch": ["--push-dispatch", "concurrent"],
     "--policy": ["--policy", "round_robin"],
     "--kv-events-endpoint": ["--kv-events-endpoint", "tcp://{host}:5557"],
     "--kv-events-replay-endpoint": [

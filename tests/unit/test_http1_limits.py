@@ -302,15 +302,39 @@ async def test_the_largest_chunk_size_meets_the_body_cap() -> None:
                 await writer.drain()
 
     async with serving(script) as server, pool(max_body=1 << 20) as p:
-        response = await post(p, server.url)
-        with pytest.raises(http1.ResponseTooLarge):
+        with pytest.raises(http1.MalformedResponse, match="body cap"):  # at its size line
+            response = await post(p, server.url)
             await response.read_all(1.0)
-        response.close()
     overflow = CHUNKED_HEAD + b"10000000000000000\r\nabc"  # 17 hex digits
     async with serving(answer(overflow)) as server, pool() as p:
         response = await post(p, server.url)
         with pytest.raises(http1.MalformedResponse):
             await response.read_all(1.0)
+        response.close()
+
+
+@pytest.mark.parametrize(
+    "cut", [len(CHUNKED_HEAD) - 1, len(CHUNKED_HEAD) + 3], ids=["head", "size"]
+)
+async def test_a_chunk_size_over_the_cap_is_malformed_before_its_bytes(cut: int) -> None:
+    """Issue 29: the sizes are read before httptools takes the bytes, whichever read splits
+    the head's end or the size line; a streamed body hands on the chunks before it, and
+    not one byte after it."""
+    before = chunk(b"fine")
+    data = head(b"103 Early Hints") + CHUNKED_HEAD + before + b"%x\r\n" % ((1 << 20) + 1)
+    cut += len(head(b"103 Early Hints")) + (len(before) if cut > len(CHUNKED_HEAD) else 0)
+
+    async def script(reader: Reader, writer: Writer) -> None:
+        for piece in (data[:cut], data[cut:], b"after" * 1000):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    async with serving(script) as server, pool(max_body=1 << 20) as p:
+        response = await post(p, server.url)
+        assert await response.read_chunk(1.0) == b"fine"
+        with pytest.raises(http1.MalformedResponse, match="body cap"):
+            await response.read_chunk(1.0)
         response.close()
 
 

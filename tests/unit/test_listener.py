@@ -12,14 +12,9 @@ import pytest
 from pdproxy.config.listener import ClientLimits
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.errors import ConfigError, HeadTooLarge, TooManyConnections
-from pdproxy.runtime.listener import (
-    WARN_EVERY,
-    HardenedProtocol,
-    Refusals,
-    connection_cap,
-    error_bytes,
-    hardened_protocol,
-)
+from pdproxy.runtime.connection_cap import connection_cap
+from pdproxy.runtime.listener import WARN_EVERY, HardenedProtocol, Refusals, hardened_protocol
+from pdproxy.runtime.raw_response import error_bytes
 from pdproxy.runtime.server import uvicorn_config
 from pdproxy.types import EngineAddress
 

@@ -28,7 +28,8 @@ from pdproxy.proxying.legs import LegSize
 from pdproxy.proxying.orchestrator import Orchestrator
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
-from pdproxy.scheduling.kv_events import decode_batch, instance_name
+from pdproxy.scheduling.kv_events import decode_batch
+from pdproxy.scheduling.kv_keys import instance_name
 from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.types import ApiKind, Endpoint, EngineAddress, Role, Source
 

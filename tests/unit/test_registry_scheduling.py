@@ -5,6 +5,7 @@ import pytest
 from pdproxy.config.scheduling import SchedulingConfig
 from pdproxy.errors import NoEndpointAvailable
 from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.proxying.leg_counts import enter, leave
 from pdproxy.scheduling.context import RequestFeatures
 from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role, Source
@@ -69,6 +70,40 @@ def test_draining_and_removed_are_not_routable():
     assert [e.url for e in reg.snapshot().prefill] == ["http://p1:1"]
     reg.remove("http://p1:1")
     assert reg.snapshot().prefill == ()
+
+
+def test_a_replacement_takes_the_leg_counts_its_legs_in_flight_uncount():
+    """Issue 30: a replaced instance's legs in flight hold the old ``Endpoint`` and leave it
+    there; the registry carries that ``LegCounts`` over whole, so the count the URL shows
+    comes down with them (a copied ``in_flight`` stayed up for good)."""
+    reg = EndpointRegistry(Clock())
+    url = "http://r:1"
+    old = Endpoint.new(role=Role.DECODE, address=EngineAddress(url=url), source=Source.REGISTERED)
+    reg.add(old)
+    enter(old, 0)
+    moved = EngineAddress(url=url, zmq_address="10.0.0.9:6666")
+    new = Endpoint.new(role=Role.DECODE, address=moved, source=Source.REGISTERED)
+    reg.add(new)
+    assert reg.get(url) is new and new.legs.in_flight == 1
+    leave(old, 0)
+    assert new.legs.in_flight == 0 and new.legs.work == 0.0 and new.legs.rank_in_flight == [0]
+
+
+def test_a_replacement_is_told_to_its_listeners_and_the_first_add_is_not():
+    """A replacement is a new instance: build wires ``on_replace`` to the legs, which forget
+    its KV sources (as the fresh record of before the counts were carried over did)."""
+    reg = EndpointRegistry(Clock())
+    heard: list[Endpoint] = []
+    reg.on_replace(heard.append)
+    url = "http://r:1"
+    first = Endpoint.new(role=Role.DECODE, address=EngineAddress(url=url), source=Source.REGISTERED)
+    reg.add(first)
+    assert heard == []
+    second = Endpoint.new(
+        role=Role.DECODE, address=EngineAddress(url=url), source=Source.REGISTERED
+    )
+    reg.add(second)
+    assert heard == [second]
 
 
 def test_expiry_spares_static_and_keeps_in_flight_on_upsert():

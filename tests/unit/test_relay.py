@@ -4,7 +4,8 @@ import orjson
 import pytest
 
 from pdproxy.errors import UpstreamProtocolError, UpstreamTimeout
-from pdproxy.proxying.relay import StreamRelay, StreamWatchdog
+from pdproxy.proxying.relay import StreamRelay
+from pdproxy.proxying.watchdog import StreamWatchdog
 
 
 class FakeUpstream:

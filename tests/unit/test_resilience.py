@@ -16,8 +16,7 @@ from pdproxy.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
-from pdproxy.resilience.outlier import OutlierDetector
-from pdproxy.resilience.probes import apply_probe
+from pdproxy.resilience.outlier import OutlierDetector, apply_probe
 from pdproxy.resilience.retry import Backoff, RetryBudget, counts_against, retry_reason
 from pdproxy.types import (
     BreakerState,

@@ -8,7 +8,9 @@ import pytest
 
 from pdproxy.config.resilience import OutlierConfig
 from pdproxy.errors import UpstreamProtocolError
-from pdproxy.proxying.relay import RESPONSES_SSE, StreamRelay, StreamWatchdog
+from pdproxy.proxying.framing import RESPONSES_SSE
+from pdproxy.proxying.relay import StreamRelay
+from pdproxy.proxying.watchdog import StreamWatchdog
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.types import Endpoint, EngineAddress, Role, Source
 from pdproxy.wire.routes import ROUTES, new_response_id, pin, pinned, responses_body

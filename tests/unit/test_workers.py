@@ -21,6 +21,7 @@ from pdproxy.membership.workers.snapshot import (
     pack,
     snapshot_of,
 )
+from pdproxy.proxying.leg_counts import forget_kv_sources
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.runtime.restart import RestartBackoff
 from pdproxy.types import (
@@ -126,6 +127,7 @@ async def follower():
     clock = _Clock()
     registry = EndpointRegistry(clock)
     outliers = OutlierDetector(OutlierConfig(consecutive_failures=1), clock)
+    outliers.on_connections_lost(forget_kv_sources)  # as pdproxy.build wires the book
     spec = WorkerSpec(0, 2, 8000, RunDir("/nonexistent"), parent_pid=1)
     link = OwnerLink(spec, registry=registry, outliers=outliers, max_age=3.0, admin_timeout=1)
     yield link, registry, outliers, clock

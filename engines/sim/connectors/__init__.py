@@ -22,6 +22,7 @@ from engines.sim.openai_api import GenRequest
 
 CONNECTORS: dict[str, str] = {
     "nixl": "engines.sim.connectors.nixl:NixlConnector",
+    "nixl-push": "engines.sim.connectors.nixl_push:NixlPushConnector",
     "example": "engines.sim.connectors.example:ExampleConnector",
     "moriio": "engines.sim.connectors.moriio:MoriioConnector",
     "p2p-nccl": "engines.sim.connectors.p2p_nccl:P2pNcclConnector",

@@ -13,10 +13,11 @@ newest snapshot counts; an older or repeated number is ignored). The admin API's
 the owner over the control socket; the answer is given once this worker has applied the
 snapshot that carries the write, so the next request on this worker already sees it.
 
-The active health checks' side effects on passive health are replayed here, as
-``pdproxy.membership.health`` does them in a single process: an instance that recovers from
-unhealthy starts with a clean record, one whose probes failed while this worker had it ejected and
-that answers again (a restart) ends its ejection at once.
+The owner's probe verdicts and load figures are handed to the same owners a single process
+uses: the health book (``OutlierDetector.on_published_probe``: an instance that recovers from
+unhealthy starts with a clean record, one whose probes failed while this worker had it
+ejected and that answers again, a restart, ends its ejection at once) and the load
+scraper's ``apply_load``; this link writes no record itself.
 
 When the supervisor is gone (its pid is no longer the parent) the worker signals itself
 SIGTERM, which drains it like an operator's SIGTERM.
@@ -37,6 +38,7 @@ import zmq.asyncio
 from pdproxy.config.workers import WorkerSpec
 from pdproxy.errors import AdminError
 from pdproxy.fleet.registry import EndpointRegistry
+from pdproxy.membership.identity import reidentify
 from pdproxy.membership.load_scraper import apply_load
 from pdproxy.membership.workers.snapshot import (
     EndpointRecord,
@@ -48,7 +50,7 @@ from pdproxy.membership.workers.snapshot import (
     unpack,
 )
 from pdproxy.resilience.outlier import OutlierDetector
-from pdproxy.types import Endpoint, EndpointState, EngineAddress, ProbeState, Role
+from pdproxy.types import Endpoint, EndpointState, EngineAddress, Role
 
 logger = logging.getLogger(__name__)
 
@@ -220,32 +222,22 @@ class OwnerLink:
                 record.models,
                 record.engine_ids,
             ):
-                endpoint.reidentify(
-                    source=record.source, models=record.models, engine_ids=record.engine_ids
+                reidentify(
+                    endpoint,
+                    source=record.source,
+                    models=record.models,
+                    engine_ids=record.engine_ids,
                 )
                 self._registry.invalidate()  # its models decide which pools it is in
-            endpoint.presence.last_seen = record.last_seen
+            self._registry.seen(endpoint.url, record.last_seen)
             if endpoint.state is not record.state:
                 self._registry.set_state(endpoint.url, record.state)
             self._apply_probe(endpoint, record)
         self._apply_load(endpoint, record)
 
     def _apply_probe(self, endpoint: Endpoint, record: EndpointRecord) -> None:
-        health = endpoint.health
-        if health.ejected_until is not None:
-            if record.probe_failures:
-                health.probe_failed_while_ejected = True
-            elif health.probe_failed_while_ejected and record.probe is ProbeState.HEALTHY:
-                health.probe_failed_while_ejected = False
-                endpoint.legs.kv_sources.clear()  # a restart: a new engine, no KV connections
-                self._outliers.end_ejection(endpoint)
-        if record.probe is health.probe:
-            return
-        if health.probe is ProbeState.UNHEALTHY:
-            self._outliers.reset(endpoint)
-        endpoint.legs.kv_sources.clear()  # down, or back after being down: no KV connections
-        health.probe = record.probe
-        self._registry.invalidate()
+        if self._outliers.on_published_probe(endpoint, record.probe, record.probe_failures):
+            self._registry.invalidate()
 
     def _apply_load(self, endpoint: Endpoint, record: EndpointRecord) -> None:
         load = record.load

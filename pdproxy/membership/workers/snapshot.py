@@ -18,9 +18,12 @@ import msgpack
 
 from pdproxy.types import (
     Endpoint,
+    EndpointHealth,
+    EndpointIdentity,
     EndpointState,
     EngineAddress,
     EngineLoad,
+    Presence,
     ProbeState,
     RankLoad,
     Role,
@@ -60,17 +63,18 @@ class EndpointRecord:
 
     def endpoint(self) -> Endpoint:
         """A new worker-side ``Endpoint`` (no lease: only the owner expires instances)."""
-        endpoint = Endpoint.new(
+        identity = EndpointIdentity(
             role=self.role,
             address=self.address,
             source=self.source,
-            state=self.state,
             models=self.models,
             engine_ids=self.engine_ids,
         )
-        endpoint.presence.last_seen = self.last_seen
-        endpoint.health.probe = self.probe
-        return endpoint
+        return Endpoint(
+            identity=identity,
+            presence=Presence(state=self.state, last_seen=self.last_seen),
+            health=EndpointHealth(probe=self.probe),
+        )
 
 
 @dataclass(frozen=True, slots=True)

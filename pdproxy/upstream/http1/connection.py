@@ -10,6 +10,9 @@ It reads one answer per request as RFC 9112 frames it, with the caps aiohttp's c
   ``MAX_HEAD`` bytes in all; bytes that are no body (heads, chunk framing, trailers) at
   most ``MAX_HEAD`` in a row, counted as they arrive, so an endless header is refused
   after one read past the cap, never buffered whole;
+* a chunked body's sizes are read from the raw bytes before the parser takes them
+  (``chunks.ChunkSizes``): a size over the body cap is malformed before any byte after it
+  is handed on;
 * trailers are counted and dropped, never kept for the next answer;
 * a byte after the answer's end makes the connection unusable (closed), so it can never
   be read as the next request's answer.
@@ -18,12 +21,14 @@ It reads one answer per request as RFC 9112 frames it, with the caps aiohttp's c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import select
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
 
+from pdproxy.upstream.http1.chunks import BadChunkLine, ChunkSizes
 from pdproxy.upstream.http1.errors import ConnectionBroken, HTTPError, MalformedResponse
 from pdproxy.upstream.http1.response import HIGH_WATER, Response
 
@@ -85,6 +90,11 @@ class Connection(asyncio.Protocol):
         self._in_head = True
         self._interim = False  # a 1xx, skipped
         self._dry = 0  # bytes read in a row with no body byte among them
+        self._head_pending = True  # the answer's final head not yet parsed
+        self._head_tail = b""  # the last bytes of a head's read, for an end split by reads
+        self._head_start = b""  # the first bytes of a head (its status's first digit)
+        self._split = False  # a feed that ends where a head should
+        self._chunk_sizes: ChunkSizes | None = None  # a chunked body's framing, read ahead
         self._poll: select.poll | None = None  # the socket, to look at it while idle
         self._pollable = hasattr(select, "poll")  # false: the OS gives no way (Windows)
 
@@ -96,9 +106,16 @@ class Connection(asyncio.Protocol):
         if response is None or response.complete:  # nothing was asked: unusable
             self.close()
             return
-        buffered = response._buffered
+        buffered, size = response._buffered, len(data)
         try:
+            if self._head_pending:
+                data = self._through_heads(data)
+            if self._chunk_sizes is not None:  # once per streamed token: checked, then fed
+                self._chunk_sizes.check(data)
             self._parser.feed_data(data)
+        except BadChunkLine as exc:  # the bytes before the line, none after
+            self._feed_before(data[: exc.at], response, exc)
+            return
         except httptools.HttpParserError as exc:
             cause = exc.__context__  # what a callback of ours raised
             error = cause if isinstance(cause, HTTPError) else None
@@ -110,9 +127,48 @@ class Connection(asyncio.Protocol):
         elif response._buffered != buffered:
             self._dry = 0
         else:  # no body in this read: a head, chunk framing or trailers
-            self._dry += len(data)
+            self._dry += size
             if self._dry > MAX_HEAD and not response.complete:
                 self._refuse(response, MalformedResponse(f"a head over {MAX_HEAD} bytes"))
+
+    def _through_heads(self, data: bytes) -> bytes:
+        """Feed the parser up to the end of the answer's final head, if it ends in
+        ``data`` (llhttp is strict: a head ends at its first empty CRLF line; an interim
+        1xx head is fed with what follows it, as one read), so that a chunked body's framing
+        is read from its first byte; what is left of ``data``, for the caller to check and
+        feed."""
+        at = 0  # data[:at]: interim heads, fed with the rest
+        while self._head_pending:
+            tail = self._head_tail
+            seek = tail + data[at:] if tail else data[at:]
+            if len(self._head_start) < 10:
+                self._head_start += data[at : at + 10 - len(self._head_start)]
+            mark = seek.find(b"\r\n\r\n")
+            if mark < 0:
+                self._head_tail = seek[-3:]
+                return data
+            cut = at + mark + 4 - len(tail)
+            interim = self._head_start[9:10] == b"1"  # "HTTP/1.1 1xx"
+            self._head_tail = self._head_start = b""
+            if not interim:
+                self._split = True  # the final head ends where this feed does
+                try:
+                    self._parser.feed_data(data[:cut])
+                finally:
+                    self._split = False
+                data, cut = data[cut:], 0
+            at = cut
+            if at >= len(data):
+                break
+        return data
+
+    def _feed_before(self, data: bytes, response: Response, error: BadChunkLine) -> None:
+        """Parse what came before a bad chunk size line (whole chunks, handed on), then
+        refuse the answer."""
+        if data:  # a parser error there: the answer is refused for its size line anyway
+            with contextlib.suppress(httptools.HttpParserError):
+                self._parser.feed_data(data)
+        self._refuse(response, error)
 
     def _refuse(self, response: Response, error: HTTPError) -> None:
         """The answer is unusable from here: what came of its body is handed on, then the
@@ -230,6 +286,9 @@ class Connection(asyncio.Protocol):
         if 100 <= status < 200:
             self._interim_head(status, fields)
         elif 200 <= status < 600:
+            self._head_pending = False
+            if self._split and _chunked(fields):  # else framing unknown: capped as it comes
+                self._chunk_sizes = ChunkSizes(response._limit)
             response._headers_done(status, fields, parser.should_keep_alive())
         else:
             raise MalformedResponse(f"status {status:03d} is not an HTTP status")
@@ -260,5 +319,13 @@ class Connection(asyncio.Protocol):
         if self._interim:
             self._interim = False
             return
+        self._head_pending = True  # the next answer's
+        self._chunk_sizes = None
         if self.response is not None:
             self.response._finish()
+
+
+def _chunked(fields: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the head frames its body in chunks (its last transfer coding), as llhttp."""
+    codings = [v for name, v in fields if name.lower() == b"transfer-encoding"]
+    return bool(codings) and codings[-1].rsplit(b",", 1)[-1].strip().lower() == b"chunked"

@@ -13,8 +13,8 @@ from pdproxy.errors import Overloaded
 from pdproxy.flow.ticket import Ticket
 from pdproxy.observability.flow_book import FlowBook
 from pdproxy.observability.metrics import ProxyMetrics
+from pdproxy.proxying.leg_counts import enter, leave
 from pdproxy.proxying.leg_room import LegRoom
-from pdproxy.proxying.legs import enter, leave
 from pdproxy.types import Endpoint, EngineAddress, Role, Source
 
 

@@ -11,10 +11,10 @@ NOW = 1000.0
 
 
 def endpoint(url: str, role: Role = Role.DECODE, *, in_flight: int = 0, dp: int = 1, models=()):
-    e = Endpoint.new(role=role, address=EngineAddress(url=url, dp_size=dp), source=Source.STATIC)
+    address = EngineAddress(url=url, dp_size=dp)
+    e = Endpoint.new(role=role, address=address, source=Source.STATIC, models=tuple(models))
     e.legs.in_flight = in_flight
     e.legs.work = float(in_flight)
-    e.reidentify(models=tuple(models))
     return e
 
 

@@ -6,10 +6,11 @@ import pytest
 
 from engines.sim.kv_events import stored
 from pdproxy.config.scheduling import SchedulingConfig
-from pdproxy.proxying.legs import enter, leave
+from pdproxy.proxying.leg_counts import enter, leave
 from pdproxy.scheduling.context import RequestFeatures
 from pdproxy.scheduling.kv_cost import PrefillCostScorer
-from pdproxy.scheduling.kv_events import KVIndex, decode_batch, instance_name
+from pdproxy.scheduling.kv_events import KVIndex, decode_batch
+from pdproxy.scheduling.kv_keys import instance_name
 from pdproxy.scheduling.kv_scorer import KVEventsScorer
 from pdproxy.scheduling.policies import build_policy
 from pdproxy.scheduling.prefix_index import PrefixIndex

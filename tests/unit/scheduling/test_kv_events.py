@@ -9,11 +9,11 @@ from pdproxy.scheduling.kv_events import (
     MalformedEvents,
     Removed,
     Stored,
-    block_keys,
     decode_batch,
     decode_event,
     pieces,
 )
+from pdproxy.scheduling.kv_keys import block_keys
 
 TOKENS = list(range(100, 164))  # 4 blocks of 16
 

@@ -6,7 +6,8 @@ import random
 from engines.sim.kv_events import stored
 from pdproxy.config.scheduling import SchedulingConfig, canonical_policy
 from pdproxy.scheduling.context import RequestFeatures
-from pdproxy.scheduling.kv_events import KVIndex, decode_batch, instance_name
+from pdproxy.scheduling.kv_events import KVIndex, decode_batch
+from pdproxy.scheduling.kv_keys import instance_name
 from pdproxy.scheduling.kv_scorer import predicted_tokens
 from pdproxy.scheduling.policies import build_policy
 from pdproxy.types import Role

@@ -5,7 +5,8 @@ import logging
 
 from engines.sim.kv_events import stored
 from pdproxy.scheduling.context import RequestFeatures
-from pdproxy.scheduling.kv_events import KVIndex, decode_batch, instance_name
+from pdproxy.scheduling.kv_events import KVIndex, decode_batch
+from pdproxy.scheduling.kv_keys import instance_name
 from pdproxy.scheduling.kv_stale import Staleness
 from pdproxy.types import Role, Snapshot
 from tests.unit.scheduling.helpers import endpoint, scheduler

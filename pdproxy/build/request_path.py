@@ -1,5 +1,5 @@
-"""Every stateful object of one pdproxy, built once from its config and handed to whoever uses it,
-gathered into one ``AppState``."""
+"""The request path of one pdproxy: the scheduler, the orchestrator, the pass-through and
+``--render-once``, built once on the shared objects (``pdproxy.build.core``)."""
 
 from __future__ import annotations
 
@@ -8,116 +8,72 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry
-
-from pdproxy.api.auth import ClientKeys
-from pdproxy.api.state import AppState
+from pdproxy.build.core import Core
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.resilience import RetryConfig
-from pdproxy.connectors import KVConnector, load_connector
+from pdproxy.connectors.nixl_push import NixlPushConnector
 from pdproxy.errors import ConfigError
-from pdproxy.fleet.registry import EndpointRegistry
-from pdproxy.membership.health import HealthChecker
 from pdproxy.membership.kv_fleet import KVEventFleet
-from pdproxy.membership.load_scraper import LoadScraper
-from pdproxy.membership.membership import Membership
-from pdproxy.membership.models import ModelReader
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.admission import Admission
 from pdproxy.proxying.deadlines import TtftPredictor
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.leg_room import LegRoom
 from pdproxy.proxying.legs import Legs
-from pdproxy.proxying.lifecycle import Lifecycle
-from pdproxy.proxying.lora import LoraClient
 from pdproxy.proxying.lora_demand import LoraOnDemand
 from pdproxy.proxying.orchestrator import Orchestrator
 from pdproxy.proxying.passthrough import Passthrough
 from pdproxy.proxying.prompt_tokens import PromptTokens
+from pdproxy.proxying.push import PushLegs
 from pdproxy.proxying.render_once import RenderOnce
+from pdproxy.proxying.token_count import TokenCounter
 from pdproxy.proxying.verdicts import Verdicts
-from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
 from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.types import Endpoint, Role, Source
-from pdproxy.upstream.engine_client import EngineClient
 from pdproxy.wire.local_tokenizer import LocalTokenizer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class _Core:
-    """What every part of the state shares."""
-
-    registry: EndpointRegistry
-    client: EngineClient
-    metrics: ProxyMetrics
-    connector: KVConnector
-    outliers: OutlierDetector
-    lora: LoraClient
-    admission: Admission | None  # --max-concurrent-requests or --tenants; None: neither
+class RequestPath:
+    orchestrator: Orchestrator
+    passthrough: Passthrough  # the endpoints served by one decode (pdproxy.wire.routes)
+    render_once: RenderOnce | None  # --render-once
+    kv_events: KVEventFleet | None  # --kv-events-endpoint, or a policy that reads KV events
 
 
-def build_state(
+def build_request_path(
     config: ProxyConfig,
+    core: Core,
+    release: KVRelease,
     clock: Callable[[], float],
-    metrics_registry: CollectorRegistry,
     rng: random.Random,
-) -> AppState:
-    registry = EndpointRegistry(clock)
-    client = EngineClient(
-        config.timeouts, config.pool, _bearer(config.engine_api_key), tls=config.engine_tls
-    )
-    metrics = ProxyMetrics(metrics_registry)
-    core = _Core(
-        registry=registry,
-        client=client,
-        metrics=metrics,
-        connector=load_connector(config),
-        outliers=OutlierDetector(config.outlier, clock),
-        lora=LoraClient(registry=registry, client=client),
-        admission=_admission(config, metrics, clock),
-    )
-    health = HealthChecker(
-        config.health, registry=core.registry, client=core.client, outliers=core.outliers
-    )
-    release = KVRelease(
-        connector=core.connector,
-        client=core.client,
-        registry=core.registry,
-        outliers=core.outliers,
-        metrics=core.metrics,
-    )
-    membership = Membership(
-        config=config,
-        registry=core.registry,
-        client=core.client,
-        connector=core.connector,
-        metrics=core.metrics,
-        health=health,
-        clock=clock,
-    )
+) -> RequestPath:
     scheduler = _scheduler(config, core, clock, rng)
     budget = _retry_budget(config.retry, clock)  # fleet-wide: generation and pass-through
-    orchestrator = _orchestrator(config, core, release, scheduler, budget, rng, clock)
     passthrough = _passthrough(config, core, scheduler, budget, rng)
-    state = _app_state(config, core, orchestrator, passthrough, membership, health, release, clock)
+    count = TokenCounter(passthrough)  # a migrated text stream's tokens, by its engines
+    orchestrator = _orchestrator(config, core, release, scheduler, budget, rng, clock, count)
+    render_once = None
     if config.render_once:
-        state.render_once = _render_once(config, core, orchestrator, scheduler, budget, rng, clock)
+        render_once = _render_once(config, core, orchestrator, scheduler, budget, rng, clock)
+    kv_events = None
     if config.scheduling.kv_events_endpoint is not None or scheduler.kv_events:
-        state.kv_events = KVEventFleet(config.scheduling, core.registry, scheduler.kv_index)
-    return state
+        kv_events = KVEventFleet(config.scheduling, core.registry, scheduler.kv_index)
+    return RequestPath(orchestrator, passthrough, render_once, kv_events)
 
 
 def _orchestrator(
     config: ProxyConfig,
-    core: _Core,
+    core: Core,
     release: KVRelease,
     scheduler: Scheduler,
     budget: RetryBudget,
     rng: random.Random,
     clock: Callable[[], float],
+    count_tokens: TokenCounter,
 ) -> Orchestrator:
     room = _leg_room(config, core.admission, clock)
     legs = Legs(
@@ -130,6 +86,15 @@ def _orchestrator(
         room=room,
     )
     flow = core.admission if config.tenants.enabled else None
+    push = None
+    if isinstance(core.connector, NixlPushConnector):
+        push = PushLegs(
+            connector=core.connector,
+            legs=legs,
+            outliers=core.outliers,
+            metrics=core.metrics.push,
+            timeouts=config.timeouts,
+        )
     return Orchestrator(
         registry=core.registry,
         scheduler=scheduler,
@@ -146,15 +111,9 @@ def _orchestrator(
         prompt_tokens=_prompt_tokens(config, scheduler, core.metrics),
         room=room,
         deadlines=None if flow is None else TtftPredictor(scheduler.speeds, flow.book, clock),
+        count_tokens=count_tokens,
+        push=push,
     )
-
-
-def _admission(
-    config: ProxyConfig, metrics: ProxyMetrics, clock: Callable[[], float]
-) -> Admission | None:
-    if not (config.admission.enabled or config.tenants.enabled):
-        return None
-    return Admission(config.admission, metrics, config.tenants, clock)
 
 
 def _leg_room(
@@ -190,7 +149,7 @@ def _prompt_tokens(
 
 
 def _lora_on_demand(
-    config: ProxyConfig, core: _Core, scheduler: Scheduler, clock: Callable[[], float]
+    config: ProxyConfig, core: Core, scheduler: Scheduler, clock: Callable[[], float]
 ) -> LoraOnDemand | None:
     if not config.lora.load_on_demand:
         return None
@@ -214,7 +173,7 @@ def _lora_on_demand(
 
 def _passthrough(
     config: ProxyConfig,
-    core: _Core,
+    core: Core,
     scheduler: Scheduler,
     budget: RetryBudget,
     rng: random.Random,
@@ -235,7 +194,7 @@ def _passthrough(
 
 def _render_once(
     config: ProxyConfig,
-    core: _Core,
+    core: Core,
     orchestrator: Orchestrator,
     scheduler: Scheduler,
     budget: RetryBudget,
@@ -277,7 +236,7 @@ def _render_once(
 
 
 def _scheduler(
-    config: ProxyConfig, core: _Core, clock: Callable[[], float], rng: random.Random
+    config: ProxyConfig, core: Core, clock: Callable[[], float], rng: random.Random
 ) -> Scheduler:
     # An engine's load figures count for three scrape intervals, then they are ignored.
     max_age = 3 * config.health.engine_metrics_interval
@@ -297,58 +256,6 @@ def _scheduler(
     )
     core.registry.on_removal(scheduler.forget)
     return scheduler
-
-
-def _app_state(
-    config: ProxyConfig,
-    core: _Core,
-    orchestrator: Orchestrator,
-    passthrough: Passthrough,
-    membership: Membership,
-    health: HealthChecker,
-    release: KVRelease,
-    clock: Callable[[], float],
-) -> AppState:
-    state = AppState(
-        config,
-        core.registry,
-        core.client,
-        core.metrics,
-        orchestrator,
-        membership,
-        health,
-        core.outliers,
-        release,
-        keys=ClientKeys(config.api_keys, config.key_tenants),
-        lifecycle=Lifecycle(core.registry, lambda: state.in_flight),
-        loads=LoadScraper(
-            config.health,
-            registry=core.registry,
-            client=core.client,
-            metrics=core.metrics,
-            clock=clock,
-        ),
-        models=ModelReader(
-            interval=config.health.models_interval,
-            registry=core.registry,
-            client=core.client,
-            max_models=config.health.max_models,
-        ),
-        lora=core.lora,
-        passthrough=passthrough,
-        clock=clock,
-        admission=core.admission,
-        engine_authorization=_bearer(config.engine_api_key),
-    )
-    core.metrics.track_in_flight(lambda: state.in_flight)
-    core.metrics.track_endpoint_in_flight(
-        lambda: ((e.role.value, e.url, e.legs.in_flight) for e in core.registry.all())
-    )
-    return state
-
-
-def _bearer(key: str | None) -> str | None:
-    return None if key is None else f"Bearer {key}"
 
 
 def _retry_budget(config: RetryConfig, clock: Callable[[], float]) -> RetryBudget:
