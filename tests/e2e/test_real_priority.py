@@ -63,23 +63,69 @@ async def _complete(
         return time.monotonic(), orjson.loads(raw)["choices"][0]["text"]
 
 
+async def _waiting(session: aiohttp.ClientSession, decode: str) -> float:
+    """Requests waiting in the decode engine's own queue (its /metrics)."""
+    async with session.get(decode + "/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_waiting")
+    )
+
+
+async def _room(session: aiohttp.ClientSession, pair: EnginePair, text: str) -> int:
+    """How many tokens the decode can generate after ``text``: its context less the prompt
+    (vLLM answers 400 to a ``min_tokens`` above that)."""
+    body = {"model": pair.model, "prompt": text}
+    async with session.post(pair.decode_url + "/tokenize", json=body) as r:
+        assert r.status == 200, await r.text()
+        answer = await r.json()
+    return int(answer["max_model_len"]) - int(answer["count"])
+
+
+async def _queued(
+    session: aiohttp.ClientSession, decode: str, count: int, blocker: asyncio.Task
+) -> bool:
+    """Wait until ``count`` requests wait in the decode's queue; False if the blocker ended
+    first (the machine was too slow for the two to queue behind it: no order to read)."""
+    while not blocker.done():
+        if await _waiting(session, decode) >= count:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 async def _order(
     session: aiohttp.ClientSession,
+    pair: EnginePair,
     url: str,
     low: tuple[dict, dict | None],
     high: tuple[dict, dict | None],
-    long: dict,
+    long_text: str,
 ) -> tuple[list[str], dict[str, str]]:
-    """A long request occupies the decode; then ``low`` (priority 10), then ``high``
-    (priority 0); returns the order the two finished in and their texts."""
-    blocker = asyncio.create_task(_complete(session, url, long))
-    await asyncio.sleep(0.5)  # its decode runs (~2.5 s): the next two wait in the decode's queue
-    first = asyncio.create_task(_complete(session, url, *low))
-    await asyncio.sleep(0.3)
-    second = asyncio.create_task(_complete(session, url, *high))
-    (t_low, text_low), (t_high, text_high), _ = await asyncio.gather(first, second, blocker)
-    order = ["high", "low"] if t_high < t_low else ["low", "high"]
-    return order, {"low": text_low, "high": text_high}
+    """A long request occupies the decode; then ``low`` (priority 10) and, once it waits in
+    the decode's queue, ``high`` (priority 0); returns the order the two finished in and
+    their texts. A blocker that ends before both wait is made longer (up to the decode's
+    context) and the round re-run (a loaded machine), so the order read is always the
+    queue's."""
+    room = await _room(session, pair, long_text)
+    tokens = min(300, room)
+    for _ in range(6):
+        blocker = asyncio.create_task(_complete(session, url, _body(pair, long_text, tokens)))
+        await asyncio.sleep(0.3)
+        first = asyncio.create_task(_complete(session, url, *low))
+        if await _queued(session, pair.decode_url, 1, blocker):
+            second = asyncio.create_task(_complete(session, url, *high))
+            queued = await _queued(session, pair.decode_url, 2, blocker)
+        else:
+            second, queued = asyncio.create_task(_complete(session, url, *high)), False
+        (t_low, text_low), (t_high, text_high), _ = await asyncio.gather(first, second, blocker)
+        if queued:
+            order = ["high", "low"] if t_high < t_low else ["low", "high"]
+            return order, {"low": text_low, "high": text_high}
+        tokens = min(tokens * 2, room)
+    raise AssertionError("the two requests never waited together behind the blocker")
 
 
 async def test_priority_orders_the_decode_engines_queue_and_leaves_answers_unchanged(
@@ -93,7 +139,7 @@ async def test_priority_orders_the_decode_engines_queue_and_leaves_answers_uncha
     # pdproxy's own leg waits off (capacity 0): the order can only be the engine's
     admission = AdmissionConfig(prefill_capacity=0, decode_capacity=0)
     config = dataclasses.replace(proxy_config(pair), tenants=tenants, admission=admission)
-    long = _body(pair, "The long one: " + "tick " * 20, 300)
+    long_text = "The long one: " + "tick " * 20
     low_text, high_text = "Low priority: " + "tock " * 20, "High priority: " + "tack " * 20
     async with running_proxy(config) as proxy, aiohttp.ClientSession() as session:
         url = proxy.url
@@ -104,10 +150,11 @@ async def test_priority_orders_the_decode_engines_queue_and_leaves_answers_uncha
         # the body's own priority
         order, texts = await _order(
             session,
+            pair,
             url,
             (_body(pair, low_text, 8, priority=10), None),
             (_body(pair, high_text, 8, priority=0), None),
-            _body(pair, "The long one: " + "tick " * 20, 300),
+            long_text,
         )
         assert order == ["high", "low"], "the decode engine did not order by the body's priority"
         assert texts == {"low": alone_low, "high": alone_high}
@@ -115,10 +162,11 @@ async def test_priority_orders_the_decode_engines_queue_and_leaves_answers_uncha
         # the tenant's default priority, written into both legs by pdproxy
         order, texts = await _order(
             session,
+            pair,
             url,
             (_body(pair, low_text, 8), {"x-tenant": "batch"}),
             (_body(pair, high_text, 8), None),
-            long,
+            long_text,
         )
         assert order == ["high", "low"], "the tenant's priority did not reach the decode engine"
         assert texts == {"low": alone_low, "high": alone_high}
