@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdproxy.build.core import Core
+from pdproxy.build.core import Core, bearer
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.resilience import RetryConfig
 from pdproxy.connectors.nixl_push import NixlPushConnector
@@ -154,8 +154,9 @@ def _lora_on_demand(
     if not config.lora.load_on_demand:
         return None
     headers = {"content-type": "application/json"}
-    if config.engine_api_key is not None:
-        headers["authorization"] = f"Bearer {config.engine_api_key}"
+    authorization = bearer(config.engine_api_key)
+    if authorization is not None:
+        headers["authorization"] = authorization
     return LoraOnDemand(
         config.lora,
         registry=core.registry,

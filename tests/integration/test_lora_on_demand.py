@@ -23,7 +23,9 @@ MODULES = (("sql", "/adapters/sql"), ("kw", "/adapters/kw"))
 
 
 @contextlib.asynccontextmanager
-async def fleet(max_loras: int = 0) -> AsyncIterator[tuple[RunningProxy, list[SimHandle]]]:
+async def fleet(
+    max_loras: int = 0, engine_api_key: str | None = None
+) -> AsyncIterator[tuple[RunningProxy, list[SimHandle]]]:
     async with contextlib.AsyncExitStack() as stack:
         sims = [
             await stack.enter_async_context(
@@ -36,6 +38,7 @@ async def fleet(max_loras: int = 0) -> AsyncIterator[tuple[RunningProxy, list[Si
             decode=tuple(EngineAddress(url=s.url) for s in sims[2:]),
             health=HealthConfig(models_interval=0.05),
             lora=LoraConfig(modules=MODULES, load_on_demand=True, max_loras=max_loras),
+            engine_api_key=engine_api_key,
         )
         proxy = await stack.enter_async_context(running_proxy(config))
         for _ in range(400):
@@ -111,3 +114,12 @@ async def test_a_hot_adapter_spreads_to_a_second_pair() -> None:
         assert proxy.state.lora.counts.loads == 4
         assert (await _complete(session, proxy.url, "sql"))[0] == 200  # no third load
         assert proxy.state.lora.counts.loads == 4
+
+
+async def test_the_load_carries_the_engine_api_key() -> None:
+    """vLLM started with --api-key guards /v1/load_lora_adapter as it guards the legs."""
+    async with fleet(engine_api_key="k-123") as (proxy, sims), aiohttp.ClientSession() as s:
+        assert (await _complete(s, proxy.url, "sql"))[0] == 200
+        loads = [r for sim in sims for r in sim.requests if r.path == "/v1/load_lora_adapter"]
+        assert len(loads) == 2
+        assert all(r.headers.get("authorization") == "Bearer k-123" for r in loads)
