@@ -17,6 +17,7 @@ from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.admission import Admission
 from pdproxy.proxying.leg_counts import forget_kv_sources
 from pdproxy.proxying.lora import LoraClient
+from pdproxy.proxying.verdicts import Verdicts
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.upstream.engine_client import EngineClient
 
@@ -32,6 +33,7 @@ class Core:
     outliers: OutlierDetector
     lora: LoraClient
     admission: Admission | None  # --max-concurrent-requests or --tenants; None: neither
+    verdicts: Verdicts  # every leg's outcome judged once, on the fleet's instances
 
 
 def build_core(
@@ -42,14 +44,16 @@ def build_core(
         config.timeouts, config.pool, bearer(config.engine_api_key), tls=config.engine_tls
     )
     metrics = ProxyMetrics(metrics_registry)
+    outliers = OutlierDetector(config.outlier, clock)
     core = Core(
         registry=registry,
         client=client,
         metrics=metrics,
         connector=load_connector(config),
-        outliers=OutlierDetector(config.outlier, clock),
+        outliers=outliers,
         lora=LoraClient(relabel=functools.partial(relabel, registry), client=client),
         admission=_admission(config, metrics, clock),
+        verdicts=Verdicts(outliers, registry, metrics),
     )
     core.outliers.on_connections_lost(forget_kv_sources)  # the legs' record, the book's news
     core.registry.on_replace(forget_kv_sources)  # a replacement starts with no KV sources

@@ -18,6 +18,7 @@ from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.admission import Admission
 from pdproxy.proxying.deadlines import TtftPredictor
 from pdproxy.proxying.kv_release import KVRelease
+from pdproxy.proxying.leg_bracket import LegBracket
 from pdproxy.proxying.leg_room import LegRoom
 from pdproxy.proxying.legs import Legs
 from pdproxy.proxying.lora_demand import LoraOnDemand
@@ -80,10 +81,9 @@ def _orchestrator(
         connector=core.connector,
         client=core.client,
         timeouts=config.timeouts,
-        verdicts=Verdicts(core.outliers, core.registry, core.metrics),
+        bracket=LegBracket(core.verdicts, core.metrics, room),
         metrics=core.metrics,
         kv_check=scheduler.verify_prefill if scheduler.kv_events else None,
-        room=room,
     )
     flow = core.admission if config.tenants.enabled else None
     push = None
@@ -184,7 +184,7 @@ def _passthrough(
         scheduler=scheduler,
         client=core.client,
         timeouts=config.timeouts,
-        verdicts=Verdicts(core.outliers, core.registry, core.metrics),
+        bracket=LegBracket(core.verdicts, core.metrics),
         outliers=core.outliers,
         retry=config.retry,
         budget=budget,
@@ -218,7 +218,10 @@ def _render_once(
         scheduler=scheduler,
         client=core.client,
         timeouts=config.timeouts,
-        verdicts=Verdicts(core.outliers, core.registry, core.metrics, peers),
+        # the --render servers are one another's peers, not the decodes'
+        bracket=LegBracket(
+            Verdicts(core.outliers, core.registry, core.metrics, peers), core.metrics
+        ),
         outliers=core.outliers,
         retry=config.retry,
         budget=budget,

@@ -28,7 +28,6 @@ from pdproxy.config.upstream import Timeouts
 from pdproxy.connectors import KVConnector, Transfer
 from pdproxy.errors import (
     ProxyError,
-    UpstreamError,
     UpstreamProtocolError,
     UpstreamServerError,
     UpstreamStatusError,
@@ -37,11 +36,10 @@ from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import RequestTrace, current
 from pdproxy.observability.tracing import LegSpan
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
-from pdproxy.proxying.leg_counts import enter, leave, read_from
+from pdproxy.proxying.leg_bracket import LegBracket
+from pdproxy.proxying.leg_counts import read_from
 from pdproxy.proxying.leg_faults import at_fault, unbuildable
-from pdproxy.proxying.leg_room import LegRoom
 from pdproxy.proxying.relay import StreamRelay
-from pdproxy.proxying.verdicts import Verdicts
 from pdproxy.proxying.watchdog import StreamWatchdog
 from pdproxy.types import Endpoint, PairDecision
 from pdproxy.upstream.engine_client import EngineClient, UpstreamResponse
@@ -68,18 +66,17 @@ class Legs:
         connector: KVConnector,
         client: EngineClient,
         timeouts: Timeouts,
-        verdicts: Verdicts,
+        bracket: LegBracket,
         metrics: ProxyMetrics,
         kv_check: Callable[[PairDecision, Mapping[str, Any]], tuple[int, int] | None] | None = None,
-        room: LegRoom | None = None,
     ) -> None:
-        self._room = room  # flow control: a leg's end lets the next waiting leg of its role go
+        self._bracket = bracket
         # kv-events: the prefill's reported hit against the prediction (None: policy off)
         self._kv_check = kv_check
         self._connector = connector
         self._client = client
         self._timeouts = timeouts
-        self._verdicts = verdicts
+        self._verdicts = bracket.verdicts
         self._metrics = metrics
         self._background: set[asyncio.Task[Any]] = set()
         self._watchdog = StreamWatchdog(
@@ -116,7 +113,7 @@ class Legs:
         trace = current()
         span = trace.prefill_started(transfer.request_id, endpoint.url, rank, headers)
         started = time.perf_counter()
-        self._enter(endpoint, rank, size.weight, size.tokens)
+        self._bracket.open(endpoint, rank, size.weight, size.tokens)
         try:
             try:
                 upstream = await self._client.post(
@@ -131,14 +128,14 @@ class Legs:
                 raise unbuildable(endpoint, transfer.decision) from exc
             answer = _prefill_answer(upstream, await upstream.read_all())
         except ProxyError as error:
-            self._failed(at_fault(error, endpoint, transfer.decision), error, span, trace)
+            self._bracket.failed(at_fault(error, endpoint, transfer.decision), error, span, trace)
             self._connector.prefill_failed(transfer.decision)
             raise
         except BaseException:
-            self._abandoned(endpoint, span)
+            self._bracket.abandoned(endpoint, span)
             raise
         finally:
-            self._leave(endpoint, rank, size.weight, size.tokens)
+            self._bracket.close(endpoint, rank, size.weight, size.tokens)
             trace.prefill_ended = ended = time.perf_counter()
         self._metrics.prefill_seconds.observe(ended - started)
         trace.prefill_answered = ended
@@ -204,7 +201,7 @@ class Legs:
         trace = current()
         span = trace.decode_started(leg.request_id, endpoint.url, headers)
         streaming = is_streaming(request.body)
-        self._enter(endpoint, rank)
+        self._bracket.open(endpoint, rank)
         try:
             try:
                 upstream = await self._client.post(
@@ -222,42 +219,17 @@ class Legs:
                 return await self._stream(upstream, leg, span, trace)
             response = _whole_answer(upstream, await upstream.read_all(), leg.request_id)
         except ProxyError as error:
-            self._leave(endpoint, rank)
-            self._failed(at_fault(error, endpoint, leg.pair), error, span, trace)
+            self._bracket.close(endpoint, rank)
+            self._bracket.failed(at_fault(error, endpoint, leg.pair), error, span, trace)
             raise
         except BaseException:
-            self._leave(endpoint, rank)
-            self._abandoned(endpoint, span)
+            self._bracket.close(endpoint, rank)
+            self._bracket.abandoned(endpoint, span)
             raise
-        self._leave(endpoint, rank)
+        self._bracket.close(endpoint, rank)
         self._succeeded(endpoint, leg.prefill_answer)
         span.end(None)
         return response
-
-    def _enter(
-        self, endpoint: Endpoint, rank: int | None, weight: float = 1.0, tokens: float = 0.0
-    ) -> None:
-        enter(endpoint, rank, weight, tokens)
-        self._metrics.count_leg(endpoint.role.value, endpoint.url)
-
-    def _leave(
-        self, endpoint: Endpoint, rank: int | None, weight: float = 1.0, tokens: float = 0.0
-    ) -> None:
-        leave(endpoint, rank, weight, tokens)
-        if self._room is not None:
-            self._room.freed(endpoint.role)
-
-    def _failed(
-        self, endpoint: Endpoint, error: ProxyError, span: LegSpan, trace: RequestTrace
-    ) -> None:
-        """A leg failed before the client's response started (it may be retried)."""
-        self._verdicts.judge(endpoint, error)
-        trace.leg_failed()
-        span.end(type(error).__name__)
-
-    def _abandoned(self, endpoint: Endpoint, span: LegSpan) -> None:
-        self._verdicts.abandoned(endpoint)
-        span.end("abandoned")
 
     def _headers_arrived(self, trace: RequestTrace, streamed: bool) -> None:
         """The decode's headers are here; a stream's wait for them is observed."""
@@ -291,11 +263,7 @@ class Legs:
         return ProxyResponse(200, "text/event-stream", leg.request_id, stream=relay)
 
     def _stream_closed(self, leg: _DecodeLeg, relay: StreamRelay, span: LegSpan) -> None:
-        self._leave(leg.endpoint, leg.rank)
-        failure = relay.failure
-        if isinstance(failure, UpstreamError) and failure.leg == "decode":
-            self._verdicts.judge(leg.endpoint, failure)
-        span.end(None if failure is None else type(failure).__name__)
+        self._bracket.stream_closed(leg.endpoint, leg.rank, relay.failure, "decode", span)
 
     async def concurrent(
         self, request: ClientRequest, transfer: Transfer, size: LegSize = LegSize()

@@ -36,11 +36,10 @@ from pdproxy.observability.request_context import bind_request_id, current
 from pdproxy.observability.tracing import LegSpan
 from pdproxy.proxying.exchange import ProxyResponse
 from pdproxy.proxying.framing import RESPONSES_SSE
-from pdproxy.proxying.leg_counts import enter, leave
+from pdproxy.proxying.leg_bracket import LegBracket
 from pdproxy.proxying.leg_faults import unbuildable
 from pdproxy.proxying.relay import StreamRelay
 from pdproxy.proxying.retries import Retries, RetryRun
-from pdproxy.proxying.verdicts import Verdicts
 from pdproxy.proxying.watchdog import StreamWatchdog
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
@@ -78,7 +77,7 @@ class Passthrough:
         scheduler: Scheduler,
         client: EngineClient,
         timeouts: Timeouts,
-        verdicts: Verdicts,
+        bracket: LegBracket,
         outliers: OutlierDetector,
         retry: RetryConfig,
         budget: RetryBudget,
@@ -91,7 +90,8 @@ class Passthrough:
         self._pool = pool or (lambda: registry.snapshot().decode)
         self._client = client
         self._timeouts = timeouts
-        self._verdicts = verdicts
+        self._bracket = bracket
+        self._verdicts = bracket.verdicts
         self._outliers = outliers
         self._retries = Retries(
             scheduler=scheduler,
@@ -154,8 +154,7 @@ class Passthrough:
         headers = leg_headers(request_id, request.authorization, rank, request.via)
         trace = current()
         span = trace.decode_started(request_id, endpoint.url, headers)
-        enter(endpoint, rank)
-        self._metrics.count_leg(endpoint.role.value, endpoint.url)
+        self._bracket.open(endpoint, rank)
         try:
             try:
                 upstream = await self._open(request, endpoint, headers, streaming)
@@ -166,17 +165,14 @@ class Passthrough:
                 return await self._stream(upstream, endpoint, rank, request_id, span)
             response = _whole_answer(upstream, await upstream.read_all(), request_id)
         except ProxyError as error:
-            leave(endpoint, rank)
-            self._verdicts.judge(endpoint, error)
-            trace.leg_failed()
-            span.end(type(error).__name__)
+            self._bracket.close(endpoint, rank)
+            self._bracket.failed(endpoint, error, span, trace)
             raise
         except BaseException:
-            leave(endpoint, rank)
-            self._verdicts.abandoned(endpoint)
-            span.end("abandoned")
+            self._bracket.close(endpoint, rank)
+            self._bracket.abandoned(endpoint, span)
             raise
-        leave(endpoint, rank)
+        self._bracket.close(endpoint, rank)
         self._verdicts.success(endpoint)
         span.end(None)
         return response
@@ -224,11 +220,7 @@ class Passthrough:
     def _stream_closed(
         self, endpoint: Endpoint, rank: int | None, relay: StreamRelay, span: LegSpan
     ) -> None:
-        leave(endpoint, rank)
-        failure = relay.failure
-        if isinstance(failure, UpstreamError) and failure.leg == LEG:
-            self._verdicts.judge(endpoint, failure)
-        span.end(None if failure is None else type(failure).__name__)
+        self._bracket.stream_closed(endpoint, rank, relay.failure, LEG, span)
 
 
 def _features(request: PassthroughRequest) -> RequestFeatures:
