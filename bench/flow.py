@@ -11,7 +11,7 @@ queue; a deadline header is still honoured, as it is without a tenants file).
   (priority 0) a fifth of it; the interactive TTFT p99 against the same tenant alone
   (target: within 3x), and the batch tenant's completions against half of the capacity
   left to it.
-- **fairness**: a tenant floods at 2x capacity, another keeps 4 requests in flight (same
+- **fairness**: a tenant floods at 2x capacity, another keeps 6 requests in flight (same
   priority and weight): the second's completions against 80 % of min(its demand, half the
   capacity); then two tenants of weights 3 and 1 both flood: their completions' ratio
   while both are backlogged (target: within 20 % of 3).
@@ -53,6 +53,12 @@ TTFT_MS = 100.0  # each sim's: the prefill leg's, then the decode's first token
 TOKENS = 10  # each request's completion
 TPS = 100.0  # 10 tokens at 100/s: 0.1 s after the first; ~0.3 s a request in all
 SERVICE_S = 2 * TTFT_MS / 1000 + TOKENS / TPS  # one request, prefill and decode
+# The steady tenant's requests in flight: its fair share is half the slots (3), and a closed
+# loop spends each request's turn-around (the client reading the end, sending the next, pdproxy
+# reading it) with one fewer waiting. With 4, one slack request: a slot freed during a
+# turn-around went to the flood, and on a loaded runner (25 ms turn-arounds) it held 0.75 of
+# its share. With 6, three slots must free within one turn-around for it to lose one.
+STEADY_IN_FLIGHT = 6
 CAPACITY = SLOTS / SERVICE_S  # requests a second
 PROMPT = "flow " * 16  # ~20 tokens by pdproxy's estimate (4 characters a token)
 METERED_PROMPT = "flow " * 72  # ~90 tokens: with its 10 asked for, ~100 a request
@@ -262,11 +268,11 @@ async def priority(driver: Driver, seconds: float) -> dict[str, Any]:
 
 async def fairness(driver: Driver, seconds: float) -> dict[str, Any]:
     capacity = CAPACITY
-    # its demand: 4 in flight, each served in the time one takes alone
+    # its demand: STEADY_IN_FLIGHT in flight, each served in the time one takes alone
     start = time.perf_counter()
     await asyncio.gather(
         driver.open_loop("flood", 2 * capacity, seconds),
-        driver.closed_loop("steady", 4, seconds),
+        driver.closed_loop("steady", STEADY_IN_FLIGHT, seconds),
     )
     end = time.perf_counter()
     await driver.drain()
@@ -276,7 +282,7 @@ async def fairness(driver: Driver, seconds: float) -> dict[str, Any]:
     window = end - start - 1.0
     steady = len(driver.ok("steady", start + 1.0, end)) / window
     delivered = steady + len(driver.ok("flood", start + 1.0, end)) / window
-    demand = 4 / SERVICE_S
+    demand = STEADY_IN_FLIGHT / SERVICE_S
     owed = min(demand, capacity / 2, delivered / 2)
     driver.results.clear()
     start = time.perf_counter()

@@ -25,7 +25,7 @@ import aiohttp
 import orjson
 import pytest
 
-from engines.vllm.engine import Engine
+from engines.vllm.engine import Engine, wait_healthy
 from engines.vllm.launch import SMOLLM2, EnginePair, vllm_engines
 from engines.vllm.lifecycle import extra_engine
 from pdproxy.config.proxy import ProxyConfig
@@ -50,15 +50,17 @@ START_TIMEOUT = 900  # seconds: on a loaded two-core machine three start-ups tak
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[EnginePair, Engine]]:
-    """A NIXL pair and a second decode (the one killed), with the session pairs' flags."""
+    """A NIXL pair and a second decode (the one killed), with the session pairs' flags; the
+    three start at once (the second decode is awaited once the pair is up)."""
     options: dict[str, Any] = {"model": SMOLLM2, "extra_args": SHARED_FLAGS}
     with (
-        vllm_engines(connector="nixl", timeout=START_TIMEOUT, **options) as pair,
         # on the pair's decode's core, never the prefill's: a decode busy-polling its KV fetch
         # on the prefill's core starved the prefill that must serve the read (one transfer
         # of 2.8 MB took 55 s, the next never ended; on core 1 it takes 2 ms)
-        extra_engine("decode", cpu_bind="1", timeout=START_TIMEOUT, **options) as doomed,
+        extra_engine("decode", cpu_bind="1", wait=False, **options) as doomed,
+        vllm_engines(connector="nixl", timeout=START_TIMEOUT, **options) as pair,
     ):
+        wait_healthy([doomed], timeout=START_TIMEOUT)
         yield pair, doomed
 
 

@@ -1,14 +1,14 @@
 """A request's ``priority`` reaches real vLLM engines through both legs (issue 31, item 5).
 
 A NIXL pair of the tiny model started with vLLM's ``--scheduling-policy priority`` and
-``--max-num-seqs 1``: the decode runs one request at a time, so requests that arrive while it
-is busy wait in its own queue, which vLLM orders by priority then arrival. Through pdproxy
-(no admission limit: both requests reach the engines at once), a request of priority 10 sent
-before one of priority 0 finishes after it; that order can only come from the decode engine
-reading each leg's ``priority``. The same holds when the priority is not in the body but is a
-tenant's default from ``--tenants``, which pdproxy writes into both legs' bodies. Each answer
-equals the same request's without any priority (temperature 0): the order changes, the text
-does not.
+``--max-num-seqs 1`` (the session's ``priority_trio``, tests/e2e/conftest.py): the decode
+runs one request at a time, so requests that arrive while it is busy wait in its own queue,
+which vLLM orders by priority then arrival. Through pdproxy (no admission limit: both
+requests reach the engines at once), a request of priority 10 sent before one of priority 0
+finishes after it; that order can only come from the decode engine reading each leg's
+``priority``. The same holds when the priority is not in the body but is a tenant's default
+from ``--tenants``, which pdproxy writes into both legs' bodies. Each answer equals the same
+request's without any priority (temperature 0): the order changes, the text does not.
 """
 
 from __future__ import annotations
@@ -16,28 +16,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterator
 from types import MappingProxyType
 
 import aiohttp
 import orjson
 import pytest
 
-from engines.vllm.lifecycle import EnginePair, vllm_engines
+from engines.vllm.lifecycle import EnginePair
 from pdproxy.config.listener import AdmissionConfig
 from pdproxy.config.tenants import TenantsConfig, TenantSpec
+from tests.e2e.conftest import PriorityTrio
 from tests.e2e.test_real_nixl import isolated, proxy_config
 from tests.servers import running_proxy
 
 pytestmark = pytest.mark.real_engine
 
-FLAGS = ("--scheduling-policy", "priority", "--max-num-seqs", "1")
 
-
-@pytest.fixture(scope="module")
-def priority_pair() -> Iterator[EnginePair]:
-    with vllm_engines(connector="nixl", extra_args=FLAGS) as pair:
-        yield pair
+@pytest.fixture
+def priority_pair(priority_trio: PriorityTrio) -> EnginePair:
+    pair = priority_trio.get()
+    priority_trio.meet(pair.prefill)
+    return pair
 
 
 def _body(pair: EnginePair, text: str, max_tokens: int, **extra) -> dict:

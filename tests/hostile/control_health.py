@@ -10,7 +10,10 @@ moment, so a test bounds pdproxy's ``/health`` above what the control took, not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import subprocess
 import sys
+from collections.abc import Iterator
 
 ANSWER = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
 
@@ -32,6 +35,19 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, sys.stdin.read)  # until stdin closes
     server.close()
+
+
+@contextlib.contextmanager
+def running_control() -> Iterator[int]:
+    """The control in a process of its own, for the block's length; yields its port."""
+    server = [sys.executable, "-m", "tests.hostile.control_health"]
+    with subprocess.Popen(server, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as control:
+        assert control.stdout is not None
+        port = int(control.stdout.readline().strip())
+        try:
+            yield port
+        finally:
+            control.communicate(timeout=10)  # closes its stdin: it stops
 
 
 if __name__ == "__main__":

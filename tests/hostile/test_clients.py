@@ -36,6 +36,7 @@ from engines.sim import SimConfig, running_sim
 from pdproxy.runtime.listener import OVER_CAP_WAITING
 from pdproxy.wire.local_tokenizer import MAX_PROMPT_CHARS
 from tests import latency
+from tests.hostile.control_health import running_control
 from tests.sim_tokenizer import write_model_dir
 
 HOST = "127.0.0.1"
@@ -188,11 +189,14 @@ class HealthProbe:
 def health_probed(proxy: Proxy) -> Iterator[HealthProbe]:
     """Probe ``/health`` for the block's length; then assert it stayed fast and 200."""
     probe = HealthProbe(proxy)
-    server = [sys.executable, "-m", "tests.hostile.control_health"]
-    with subprocess.Popen(server, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as control:
-        assert control.stdout is not None
-        control_port = control.stdout.readline().strip().decode()
-        args = [sys.executable, "-m", "tests.hostile.probe_health", str(proxy.port), control_port]
+    with running_control() as control_port:
+        args = [
+            sys.executable,
+            "-m",
+            "tests.hostile.probe_health",
+            str(proxy.port),
+            str(control_port),
+        ]
         prober = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         sampler = threading.Thread(target=probe.sample, daemon=True)
         sampler.start()
@@ -202,7 +206,6 @@ def health_probed(proxy: Proxy) -> Iterator[HealthProbe]:
             probe.stop.set()
             sampler.join(10)
             out, _ = prober.communicate(timeout=30)  # closes its stdin: it stops and reports
-            control.communicate(timeout=10)
     report = json.loads(out)
     probe.latencies, probe.failures = report["latencies"], report["failures"]
     probe.control = report["control"]
