@@ -25,12 +25,13 @@ run: install
 
 ## test: every tier, the real-engine one included (it installs vLLM's CPU build on first use,
 ## and the Debian tools of the browser, deploy and etcd tiers where it can: tests/install-tools.sh)
-## The tiers without real engines run on two xdist workers, a whole file each (their servers
+## The tiers without real engines run on two xdist workers, a whole file each, the longest
+## files first (tests/conftest.py), then in collection order (their servers
 ## are on loopback with free ports; their figures are relative to a baseline taken in the
 ## same test, so a neighbour's load cannot fail them); the real-engine tier runs alone after
 ## (its engines are pinned to the cores, and a test's timing is against its own engines).
 ## Both run even when the first fails; "no tests collected" (exit 5) is no failure.
-FAST_TIER := -m "not real_engine" -n 2 --dist loadfile
+FAST_TIER := -m "not real_engine" -n 2 --dist loadfile --no-loadscope-reorder
 test: install
 	@bash tests/install-tools.sh
 	@fast=0; real=0; \
