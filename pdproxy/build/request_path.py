@@ -13,6 +13,7 @@ from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.resilience import RetryConfig
 from pdproxy.connectors.nixl_push import NixlPushConnector
 from pdproxy.errors import ConfigError
+from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.membership.kv_fleet import KVEventFleet
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.admission import Admission
@@ -27,6 +28,7 @@ from pdproxy.proxying.passthrough import Passthrough
 from pdproxy.proxying.prompt_tokens import PromptTokens
 from pdproxy.proxying.push import PushLegs
 from pdproxy.proxying.render_once import RenderOnce
+from pdproxy.proxying.retries import Retries
 from pdproxy.proxying.token_count import TokenCounter
 from pdproxy.proxying.verdicts import Verdicts
 from pdproxy.resilience.retry import RetryBudget
@@ -35,6 +37,9 @@ from pdproxy.types import Endpoint, Role, Source
 from pdproxy.wire.local_tokenizer import LocalTokenizer
 
 logger = logging.getLogger(__name__)
+
+# the instances of a role (serving a model) a request path picks and retries among
+Pool = Callable[[Role, str | None], tuple[Endpoint, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +107,10 @@ def _orchestrator(
         legs=legs,
         outliers=core.outliers,
         release=release,
+        retries=_retries(config, core, scheduler, budget, rng, by_model(core.registry)),
         retry=config.retry,
         budget=budget,
         metrics=core.metrics,
-        rng=rng,
         lora=_lora_on_demand(config, core, scheduler, clock),
         first_token=config.first_token_from_prefill,
         prompt_tokens=_prompt_tokens(config, scheduler, core.metrics),
@@ -181,16 +186,53 @@ def _passthrough(
 ) -> Passthrough:
     return Passthrough(
         registry=core.registry,
-        scheduler=scheduler,
         client=core.client,
         timeouts=config.timeouts,
         bracket=LegBracket(core.verdicts, core.metrics),
         outliers=core.outliers,
+        retries=_retries(config, core, scheduler, budget, rng, _decodes(core.registry)),
+        metrics=core.metrics,
+    )
+
+
+def _retries(
+    config: ProxyConfig,
+    core: Core,
+    scheduler: Scheduler,
+    budget: RetryBudget,
+    rng: random.Random,
+    pool: Pool,
+) -> Retries:
+    """One request path's picks and retries among ``pool``, under the fleet-wide budget."""
+    return Retries(
+        scheduler=scheduler,
+        outliers=core.outliers,
+        pool=pool,
         retry=config.retry,
         budget=budget,
         metrics=core.metrics,
         rng=rng,
     )
+
+
+def by_model(registry: EndpointRegistry) -> Pool:
+    """The instances of a role serving a model (the generation endpoints' pool)."""
+
+    def pool(role: Role, model: str | None) -> tuple[Endpoint, ...]:
+        snapshot = registry.pools().lookup(model)
+        return snapshot.prefill if role is Role.PREFILL else snapshot.decode
+
+    return pool
+
+
+def _decodes(registry: EndpointRegistry) -> Pool:
+    """Every decode, whatever the role and model asked (the pass-through's pool)."""
+    return lambda _role, _model: registry.snapshot().decode
+
+
+def _only(servers: tuple[Endpoint, ...]) -> Pool:
+    """These instances alone (the --render servers)."""
+    return lambda _role, _model: servers
 
 
 def _render_once(
@@ -211,11 +253,10 @@ def _render_once(
     servers = tuple(
         Endpoint.new(role=Role.DECODE, address=a, source=Source.STATIC) for a in config.render
     )
-    pool = (lambda: servers) if servers else None
+    pool = _only(servers) if servers else _decodes(core.registry)
     peers = (lambda _: servers) if servers else None
     render = Passthrough(
         registry=core.registry,
-        scheduler=scheduler,
         client=core.client,
         timeouts=config.timeouts,
         # the --render servers are one another's peers, not the decodes'
@@ -223,11 +264,8 @@ def _render_once(
             Verdicts(core.outliers, core.registry, core.metrics, peers), core.metrics
         ),
         outliers=core.outliers,
-        retry=config.retry,
-        budget=budget,
+        retries=_retries(config, core, scheduler, budget, rng, pool),
         metrics=core.metrics,
-        rng=rng,
-        pool=pool,
     )
     return RenderOnce(
         orchestrator=orchestrator,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import random
 import time
 from collections.abc import Awaitable, Collection
 from typing import Any
@@ -63,10 +62,10 @@ class Orchestrator:
         legs: Legs,
         outliers: OutlierDetector,
         release: KVRelease,
+        retries: Retries,
         retry: RetryConfig,
         budget: RetryBudget,
         metrics: ProxyMetrics,
-        rng: random.Random,
         lora: LoraOnDemand | None = None,
         first_token: bool = False,
         prompt_tokens: PromptTokens | None = None,
@@ -86,15 +85,7 @@ class Orchestrator:
         self._legs = legs
         self._outliers = outliers
         self._release = release
-        self._retries = Retries(
-            scheduler=scheduler,
-            outliers=outliers,
-            pool=self._pool,
-            retry=retry,
-            budget=budget,
-            metrics=metrics,
-            rng=rng,
-        )
+        self._retries = retries  # over the registry's instances by model (its pool)
         self._metrics = metrics
         self._migrations = Migrations(
             limit=retry.migration_limit,
@@ -259,7 +250,7 @@ class Orchestrator:
         model, avoid = run.features.model, run.avoid if role is Role.DECODE else ()
 
         def pool() -> tuple[Endpoint, ...]:
-            return self._usable(self._pool(role, model), avoid)
+            return self._usable(self._retries.pool(role, model), avoid)
 
         await self._room.wait(role, pool, request.ticket)
 
@@ -298,7 +289,7 @@ class Orchestrator:
         if retry_reason(failure) is None:
             return False
         tried = {transfer.decision.prefill.url, *run.tried.get(Role.PREFILL, ())}
-        return not self._usable(self._pool(Role.PREFILL, run.features.model), tried)
+        return not self._usable(self._retries.pool(Role.PREFILL, run.features.model), tried)
 
     async def _decode_only(
         self, request: ClientRequest, run: Run, decision: DecodeOnly
@@ -347,7 +338,7 @@ class Orchestrator:
         decision = replaced(transfer.decision, role, chosen, rank)
         if role is Role.PREFILL and self._outliers.stranded(decision.decode):
             # A push decode stranded by the failed prefill is out of rotation: another.
-            decodes = self._usable(self._pool(Role.DECODE, run.features.model), run.avoid)
+            decodes = self._usable(self._retries.pool(Role.DECODE, run.features.model), run.avoid)
             decode, decode_rank = self._retries.pick(run, Role.DECODE, decodes)
             decision = replaced(decision, Role.DECODE, decode, decode_rank)
         logger.debug("%s: %s leg failed (%s), retrying", transfer.request_id, error.leg, reason)
@@ -387,10 +378,6 @@ class Orchestrator:
                 bind_predicted(decision.prefill_cached, decision.decode_cached)
         self._retries.picked(run, decision.decode)
         return decision
-
-    def _pool(self, role: Role, model: str | None) -> tuple[Endpoint, ...]:
-        snapshot = self._registry.pools().lookup(model)
-        return snapshot.prefill if role is Role.PREFILL else snapshot.decode
 
     def _usable(self, pool: tuple[Endpoint, ...], avoid: Collection[str]) -> tuple[Endpoint, ...]:
         return self._outliers.usable(pool, avoid)  # shared with the pass-through endpoints

@@ -19,15 +19,13 @@ built fails against its instance as nothing sent (``leg_faults.unbuildable``).
 from __future__ import annotations
 
 import logging
-import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from pdproxy.config.resilience import RetryConfig
 from pdproxy.config.upstream import Timeouts
 from pdproxy.errors import ProxyError, UpstreamError, UpstreamStatusError
 from pdproxy.fleet.registry import EndpointRegistry
@@ -42,9 +40,7 @@ from pdproxy.proxying.relay import StreamRelay
 from pdproxy.proxying.retries import Retries, RetryRun
 from pdproxy.proxying.watchdog import StreamWatchdog
 from pdproxy.resilience.outlier import OutlierDetector
-from pdproxy.resilience.retry import RetryBudget
 from pdproxy.scheduling.context import RequestFeatures
-from pdproxy.scheduling.scheduler import Scheduler
 from pdproxy.types import Endpoint, Role
 from pdproxy.upstream.engine_client import EngineClient, UpstreamResponse
 from pdproxy.wire.routes import PREVIOUS_RESPONSE_ID, PassthroughRoute, pinned, responses_body
@@ -74,34 +70,21 @@ class Passthrough:
         self,
         *,
         registry: EndpointRegistry,
-        scheduler: Scheduler,
         client: EngineClient,
         timeouts: Timeouts,
         bracket: LegBracket,
         outliers: OutlierDetector,
-        retry: RetryConfig,
-        budget: RetryBudget,
+        retries: Retries,
         metrics: ProxyMetrics,
-        rng: random.Random,
-        pool: Callable[[], tuple[Endpoint, ...]] | None = None,
     ) -> None:
         self._registry = registry
-        # Where the instances come from: the decodes, or another pool (--render's servers).
-        self._pool = pool or (lambda: registry.snapshot().decode)
         self._client = client
         self._timeouts = timeouts
         self._bracket = bracket
         self._verdicts = bracket.verdicts
         self._outliers = outliers
-        self._retries = Retries(
-            scheduler=scheduler,
-            outliers=outliers,
-            pool=lambda _role, _model: self._pool(),
-            retry=retry,
-            budget=budget,
-            metrics=metrics,
-            rng=rng,
-        )
+        # picks and retries among the decodes, or another pool (--render's servers)
+        self._retries = retries
         self._metrics = metrics
         self._watchdog = StreamWatchdog(
             client.read_timeout,
@@ -122,7 +105,8 @@ class Passthrough:
         request_id = client_request_id(request.request_id)
         bind_request_id(request_id)
         home = self._home(request)
-        candidates = (home,) if home else self._outliers.usable(self._pool())
+        pool = self._retries.pool(Role.DECODE, None)
+        candidates = (home,) if home else self._outliers.usable(pool)
         endpoint, rank = self._retries.pick(run, Role.DECODE, candidates)
         try:
             return await self._send(request, endpoint, rank, request_id)

@@ -70,6 +70,10 @@ class Retries:
         self._metrics = metrics
         self._rng = rng
 
+    def pool(self, role: Role, model: str | None) -> tuple[Endpoint, ...]:
+        """The instances of ``role`` serving ``model`` that picks and retries choose among."""
+        return self._pool(role, model)
+
     def begin(self) -> int:
         """Count a new request toward the fleet-wide budget; returns its retries allowed."""
         self._budget.on_request()

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engines.sim.kv_events import stored
+from pdproxy.build.request_path import by_model
 from pdproxy.config.proxy import ProxyConfig
 from pdproxy.config.resilience import OutlierConfig, RetryConfig
 from pdproxy.config.scheduling import SchedulingConfig
@@ -26,6 +27,7 @@ from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.legs import LegSize
 from pdproxy.proxying.orchestrator import Orchestrator
+from pdproxy.proxying.retries import Retries
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget
 from pdproxy.scheduling.kv_events import decode_batch
@@ -88,23 +90,35 @@ def _orchestrator(legs, *, connector="nixl", decodes=2, retry=None, scheduling=N
     config = ProxyConfig(prefill=addr, decode=addr, kv_connector=connector)
     release = FakeRelease()
     retry = retry or RetryConfig(initial_backoff=0.001, max_backoff=0.001)
+    scheduler = Scheduler(
+        scheduling or SchedulingConfig(prefill_policy="round-robin", decode_policy="round-robin"),
+        clock=lambda: 0.0,
+        rng=random.Random(1),
+        max_age=3.0,
+    )
+    outliers = OutlierDetector(OutlierConfig(), lambda: 0.0)
+    budget = RetryBudget(ratio=1, window=10, min_per_sec=100, clock=lambda: 0.0)
+    metrics = ProxyMetrics(CollectorRegistry())
+    retries = Retries(
+        scheduler=scheduler,
+        outliers=outliers,
+        pool=by_model(registry),
+        retry=retry,
+        budget=budget,
+        metrics=metrics,
+        rng=random.Random(1),
+    )
     orchestrator = Orchestrator(
         registry=registry,
-        scheduler=Scheduler(
-            scheduling
-            or SchedulingConfig(prefill_policy="round-robin", decode_policy="round-robin"),
-            clock=lambda: 0.0,
-            rng=random.Random(1),
-            max_age=3.0,
-        ),
+        scheduler=scheduler,
         connector=load_connector(config),
         legs=legs,
-        outliers=OutlierDetector(OutlierConfig(), lambda: 0.0),
+        outliers=outliers,
         release=release,
+        retries=retries,
         retry=retry,
-        budget=RetryBudget(ratio=1, window=10, min_per_sec=100, clock=lambda: 0.0),
-        metrics=ProxyMetrics(CollectorRegistry()),
-        rng=random.Random(1),
+        budget=budget,
+        metrics=metrics,
     )
     return orchestrator, release
 
