@@ -247,10 +247,10 @@ async def test_events_stop_the_engine_goes_stale_by_time_and_returns_when_they_f
         index = f.state.kv_events.index
         warm = model.tokenize(" ".join(f"warm{i}" for i in range(2 * BLOCK)))
         await generate(f, warm)
-        await wait_until(lambda: index.block_size == BLOCK, timeout=3, what="first events")
-        await wait_until(
-            lambda: index.staleness.waiting_since(name) is None, timeout=3, what="warm events heard"
-        )
+        # p's own batch, not only the decode's: one still in flight after the stop would
+        # end the wait that prompt(0) starts, and prompt(1) would find nothing stale
+        await wait_until(lambda: predicted(f, p, warm) > 0, timeout=3, what="p's warm events")
+        assert index.block_size == BLOCK and index.staleness.waiting_since(name) is None
 
         def rank() -> dict[str, Any]:
             return f.state.kv_events.status()["instances"][name]
