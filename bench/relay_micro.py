@@ -15,7 +15,8 @@ import asyncio
 import time
 from typing import Any
 
-from pdproxy.proxying.relay import StreamRelay
+from pdproxy.proxying.relay import ClientStream, StreamRelay
+from pdproxy.proxying.resumable import ResumableStream
 from pdproxy.proxying.watchdog import StreamWatchdog
 from pdproxy.upstream.engine_client import UpstreamResponse
 from pdproxy.upstream.http1.connection import Connection
@@ -78,9 +79,10 @@ async def per_token_us(tokens: int, migratable: bool) -> float:
     connection.send(b"", response)
     connection.data_received(HEAD)
     upstream = UpstreamResponse(200, "text/event-stream", "decode", "http://e:1", response, None)
-    relay = StreamRelay(upstream, lambda: None, StreamWatchdog(60.0))
+    plain = StreamRelay(upstream, lambda: None, StreamWatchdog(60.0))
+    relay: ClientStream = plain
     if migratable:
-        relay.migrate_with(_no_resume, lambda events: True)
+        relay = ResumableStream(plain, _no_resume, lambda events: True)
     client = _Transport()
 
     def write(chunk: bytes) -> bool:  # pdproxy.api.direct's writer, less uvicorn's flags

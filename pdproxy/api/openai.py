@@ -36,7 +36,7 @@ from pdproxy.observability.request_context import RequestTrace, bind, unbind
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.framing import SSE_DONE
 from pdproxy.proxying.lifecycle import Lifecycle
-from pdproxy.proxying.relay import StreamRelay
+from pdproxy.proxying.relay import ClientStream
 from pdproxy.types import ApiKind
 from pdproxy.wire.hop import Hop
 from pdproxy.wire.shaping import REQUEST_ID_KEY
@@ -286,7 +286,7 @@ async def _send_response(
 
 
 async def _send_stream(
-    send: Send, start: Message, stream: StreamRelay, trace: RequestTrace
+    send: Send, start: Message, stream: ClientStream, trace: RequestTrace
 ) -> None:
     """Relay chunk by chunk; the first goes out with the response's start, in one write
     (``send_together``), and the chunk that ends with ``[DONE]`` also ends the response, so

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdproxy.flow.ticket import DEFAULT_TICKET, Ticket
-from pdproxy.proxying.relay import StreamRelay
+from pdproxy.proxying.relay import ClientStream
 from pdproxy.types import ApiKind
 
 
@@ -24,11 +24,11 @@ class ClientRequest:
 
 @dataclass(slots=True)
 class ProxyResponse:
-    """What goes back to the client: a whole body, or a relay that must be closed."""
+    """What goes back to the client: a whole body, or a stream that must be closed."""
 
     status: int
     content_type: str
     request_id: str
     body: bytes = b""
-    stream: StreamRelay | None = None
+    stream: ClientStream | None = None
     headers: tuple[tuple[bytes, bytes], ...] = ()  # the engine's own, relayed (pass-through)

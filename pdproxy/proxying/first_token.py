@@ -28,7 +28,7 @@ from pdproxy.observability.request_context import current
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.legs import Legs
-from pdproxy.proxying.relay import StreamRelay
+from pdproxy.proxying.relay import ClientStream, StreamRelay
 from pdproxy.wire.first_token import (
     BlockSizes,
     FirstToken,
@@ -124,7 +124,7 @@ class _Spliced:
     def __init__(self, head: bytes, opening: asyncio.Future[ProxyResponse] | None) -> None:
         self._head: bytes | None = head
         self._opening = opening
-        self._relay: StreamRelay | None = None
+        self._relay: ClientStream | None = None
         if opening is not None:
             opening.add_done_callback(_consume)
 
@@ -147,7 +147,7 @@ class _Spliced:
         return b"" if chunk is None else fix_usage(chunk)
 
     @staticmethod
-    async def _opened(opening: asyncio.Future[ProxyResponse]) -> StreamRelay:
+    async def _opened(opening: asyncio.Future[ProxyResponse]) -> ClientStream:
         try:
             response = await opening
         except asyncio.CancelledError:

@@ -1,42 +1,40 @@
-"""What a migratable stream keeps of itself while it is relayed (``KeptStream``): the
+"""What a resumable stream keeps of itself while it is relayed (``KeptStream``): the
 engine's bytes so far, for the ``Resume`` hook to read what was generated if the stream is
 cut, those of a long stream folded (handed to ``Fold``) so that memory stays bounded.
-``pdproxy.proxying.relay`` holds one per stream from ``migrate_with`` until it is cut or
-can no longer migrate."""
+``pdproxy.proxying.resumable`` holds one per stream until it is cut or can no longer
+migrate."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
 
 FOLD_BYTES = 256 * 1024  # a resumable stream's kept bytes past this are folded (parsed)
 
-R = TypeVar("R")  # the relay's Resume hook, held for it (its type names the relay)
 # Takes whole events of a long stream's kept bytes (so they need not be kept); False when
 # they show the stream cannot be continued.
 Fold = Callable[[bytes], bool]
 
 
-class KeptStream(Generic[R]):
-    """A resumable stream's hooks and its kept bytes (a reference per chunk)."""
+class KeptStream:
+    """A resumable stream's kept bytes (a reference per chunk) and its fold."""
 
-    __slots__ = ("fold", "kept", "resume", "size")
+    __slots__ = ("fold", "kept", "last", "size")
 
-    def __init__(self, resume: R, fold: Fold, first: bytes | None) -> None:
-        self.resume, self.fold = resume, fold
-        self.kept: list[bytes] = [] if first is None else [first]
-        self.size = sum(len(c) for c in self.kept)
+    def __init__(self, fold: Fold) -> None:
+        self.fold = fold
+        self.kept: list[bytes] = []
+        self.size = 0
+        self.last = b""  # the last byte kept: an event's end may span two chunks
 
-    def keep(self, chunk: bytes, tail: bytes) -> bool:
-        """Keep ``chunk`` (``tail``: the stream's last bytes before it); False when a fold
-        refused the kept bytes: the stream can no longer migrate."""
+    def keep(self, chunk: bytes) -> bool:
+        """Keep ``chunk``; False when a fold refused the kept bytes: the stream can no
+        longer migrate."""
         self.kept.append(chunk)
         self.size += len(chunk)
+        last, self.last = self.last, chunk[-1:]
         # Folded only when this chunk may end an event: an endless event is never
         # joined again per chunk (that was quadratic: 28.6 s of CPU for 128 MiB).
-        if self.size > FOLD_BYTES and (
-            b"\n\n" in chunk or (chunk[:1] == b"\n" and tail[-1:] == b"\n")
-        ):
+        if self.size > FOLD_BYTES and (b"\n\n" in chunk or (chunk[:1] == b"\n" and last == b"\n")):
             return self._fold()
         return True
 

@@ -39,7 +39,7 @@ from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.leg_bracket import LegBracket
 from pdproxy.proxying.leg_counts import read_from
 from pdproxy.proxying.leg_faults import at_fault, unbuildable
-from pdproxy.proxying.relay import StreamRelay
+from pdproxy.proxying.relay import ClientStream, StreamRelay
 from pdproxy.proxying.watchdog import StreamWatchdog
 from pdproxy.types import Endpoint, PairDecision
 from pdproxy.upstream.engine_client import EngineClient, UpstreamResponse
@@ -285,7 +285,7 @@ class Legs:
             self._keep(prefill)
         return response
 
-    def _watch_prefill(self, prefill: asyncio.Task[Any], relay: StreamRelay) -> None:
+    def _watch_prefill(self, prefill: asyncio.Task[Any], relay: ClientStream) -> None:
         """Abort the relay if P fails after D's stream has started."""
 
         def on_done(task: asyncio.Task[Any]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from pdproxy.errors import ShuttingDown
 from pdproxy.fleet.registry import EndpointRegistry
-from pdproxy.proxying.relay import StreamRelay
+from pdproxy.proxying.relay import ClientStream
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class Lifecycle:
         self._in_flight = in_flight  # client requests being served
         self.draining = False
         self.forced = False  # the grace is over: requests still waiting are cancelled
-        self.streams: set[StreamRelay] = set()
+        self.streams: set[ClientStream] = set()
         self.waiting: set[asyncio.Task[Any]] = set()  # requests not answering yet
 
     def ready(self) -> tuple[bool, str]:

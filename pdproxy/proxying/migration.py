@@ -22,7 +22,8 @@ from pdproxy.errors import EngineErrorEvent, ProxyError, UpstreamError, Upstream
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import current
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
-from pdproxy.proxying.relay import Continuation, StreamRelay
+from pdproxy.proxying.relay import ClientStream, StreamRelay
+from pdproxy.proxying.resumable import Continuation, ResumableStream
 from pdproxy.resilience.retry import RetryBudget
 from pdproxy.wire.continuation import (
     Generated,
@@ -87,18 +88,21 @@ class Migrations:
         self._serve = serve
         self._count = count  # None: a text leg without usage counts one token a chunk
 
-    def watch(self, request: ClientRequest, relay: StreamRelay) -> None:
-        """Let ``relay`` (``request``'s stream) migrate when it is cut, if it may."""
+    def watch(self, request: ClientRequest, stream: ClientStream) -> ClientStream:
+        """``request``'s stream, made to migrate when it is cut if it may."""
         if self._limit <= 0 or not_migratable(request.kind, request.body) is not None:
-            return
-        self._arm(_Migrating(request), relay)
+            return stream
+        return self._arm(_Migrating(request), stream)
 
-    def _arm(self, state: _Migrating, relay: StreamRelay) -> None:
-        if relay.origin is not None:
-            state.avoid.add(relay.origin)
+    def _arm(self, state: _Migrating, stream: ClientStream) -> ClientStream:
+        if not isinstance(stream, StreamRelay):  # already wrapped: not a decode's own
+            return stream
+        if stream.origin is not None:
+            state.avoid.add(stream.origin)
         state.folded = Generated()
-        relay.migrate_with(
-            functools.partial(self._resume, state, relay.origin),
+        return ResumableStream(
+            stream,
+            functools.partial(self._resume, state, stream.origin),
             functools.partial(self._fold, state),
         )
 
@@ -142,14 +146,14 @@ class Migrations:
             logger.warning("stream cut on %s (%s): migration failed: %s", origin, reason, error)
             self._metrics.migrations.labels(reason, "failed").inc()
             return None
-        relay = response.stream
-        if relay is None:  # a stream asked, a whole answer given: nothing to splice
+        opened = response.stream
+        if opened is None:  # a stream asked, a whole answer given: nothing to splice
             self._metrics.migrations.labels(reason, "failed").inc()
             return None
         self._metrics.migrations.labels(reason, "migrated").inc()
-        self._record(origin, state, reason, relay)
-        self._arm(state, relay)  # past the limit too: its cut is counted
-        return Continuation(relay, Rewriter(state.generated.identity, carried))
+        self._record(origin, state, reason, opened)
+        armed = self._arm(state, opened)  # past the limit too: its cut is counted
+        return Continuation(armed, Rewriter(state.generated.identity, carried))
 
     def _admit(self, state: _Migrating, stream: bytes) -> tuple[str, Generated | None]:
         """What the cut stream delivered, if it may migrate; else the outcome label."""
@@ -180,12 +184,12 @@ class Migrations:
         return "migrated", part
 
     def _record(
-        self, origin: str | None, state: _Migrating, reason: str, relay: StreamRelay
+        self, origin: str | None, state: _Migrating, reason: str, stream: ClientStream
     ) -> None:
         trace = current()
         hop = (
             f"{origin} after {state.generated.tokens} tokens ({reason})"
-            f" -> {trace.prefill_url if not trace.decode_only else '-'},{relay.origin}"
+            f" -> {trace.prefill_url if not trace.decode_only else '-'},{stream.origin}"
         )
         trace.migrations = [*trace.migrations, hop] if trace.migrations else [hop]
         logger.info("stream migrated: %s", hop)

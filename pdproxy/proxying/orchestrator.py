@@ -110,7 +110,7 @@ class Orchestrator:
     async def handle(self, request: ClientRequest) -> ProxyResponse:
         response = await self._serve(request, frozenset())
         if response.stream is not None:
-            self._migrations.watch(request, response.stream)
+            response.stream = self._migrations.watch(request, response.stream)
         return response
 
     def push_status(self) -> dict[str, Any] | None:

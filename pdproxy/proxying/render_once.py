@@ -32,6 +32,7 @@ from pdproxy.observability.request_context import current
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.orchestrator import Orchestrator
 from pdproxy.proxying.passthrough import Passthrough, PassthroughRequest
+from pdproxy.proxying.resumable import TranslatedStream
 from pdproxy.types import ApiKind
 from pdproxy.upstream.engine_client import EngineClient
 from pdproxy.wire.derender import AnswerContext, StreamTranslator, whole_answer
@@ -220,7 +221,7 @@ class RenderOnce:
         include_usage = includes_usage(request.body)
         ctx = AnswerContext(request.kind, model, fingerprint, not trace.decode_only, include_usage)
         if response.stream is not None:
-            response.stream.translate(StreamTranslator(ctx).feed)
+            response.stream = TranslatedStream(response.stream, StreamTranslator(ctx).feed)
             return response
         if is_streaming(request.body):
             raise UpstreamProtocolError("decode engine answered a stream whole", leg="decode")

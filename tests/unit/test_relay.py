@@ -5,6 +5,7 @@ import pytest
 
 from pdproxy.errors import UpstreamProtocolError, UpstreamTimeout
 from pdproxy.proxying.relay import StreamRelay
+from pdproxy.proxying.resumable import TranslatedStream
 from pdproxy.proxying.watchdog import StreamWatchdog
 
 
@@ -136,6 +137,10 @@ class PushingUpstream(FakeUpstream):
     def push_to(self, sink):
         self.sink = sink
 
+    def close(self):  # like UpstreamResponse: a closed answer holds no sink
+        super().close()
+        self.sink = None
+
     def arrive(self, chunk):
         if self.sink is None or self._chunks or not self.sink(chunk):
             self._chunks.append(chunk)
@@ -211,11 +216,21 @@ async def test_direct_chunks_keep_the_watchdog_away():
 async def test_a_translated_stream_is_never_relayed_directly():
     upstream = PushingUpstream([_token(0)])
     relay = _relay(upstream)
-    relay.translate(lambda c: c.upper())
     await relay.prime()
-    await relay.next_chunk()
-    relay.relay_directly(lambda c: True)
+    stream = TranslatedStream(relay, lambda c: c.upper())
+    assert await stream.next_chunk() == _token(0).upper()
+    stream.relay_directly(lambda c: True)
     assert upstream.sink is None
+
+
+async def test_a_translated_stream_s_error_event_passes_untranslated():
+    relay = _relay(FakeUpstream([b'data: {"a": 1}\n\n'], UpstreamTimeout("slow", leg="decode")))
+    stream = TranslatedStream(relay, lambda c: c.upper())
+    first, event = await _drain(stream)
+    assert first == b'DATA: {"A": 1}\n\n'
+    assert event.endswith(b"data: [DONE]\n\n") and b"DATA" not in event
+    assert orjson.loads(event.split(b"\n\n")[0][6:])["error"]["message"] == "slow"
+    assert await stream.next_chunk() is None and stream.failure is relay.failure
 
 
 async def test_closing_stops_direct_relaying():

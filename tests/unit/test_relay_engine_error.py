@@ -5,7 +5,7 @@ import orjson
 import pytest
 
 from pdproxy.errors import EngineErrorEvent
-from pdproxy.proxying.relay import Continuation
+from pdproxy.proxying.resumable import Continuation, ResumableStream
 from pdproxy.wire.continuation import engine_error_at
 from tests.unit.test_relay import FakeUpstream, PushingUpstream, _drain, _relay, _token
 
@@ -50,9 +50,7 @@ class Resumes:
 
 
 def _armed(chunks, resume):
-    relay = _relay(FakeUpstream(chunks))
-    relay.migrate_with(resume, lambda _: True)
-    return relay
+    return ResumableStream(_relay(FakeUpstream(chunks)), resume, lambda _: True)
 
 
 async def test_an_error_event_is_not_forwarded_and_the_stream_continues():
@@ -88,10 +86,10 @@ async def test_a_stream_that_may_not_migrate_passes_the_event_as_today():
 
 async def test_a_directly_relayed_error_event_is_left_to_next_chunk_which_cuts():
     upstream, written = PushingUpstream([_token(0)]), []
-    relay = _relay(upstream)
+    plain = _relay(upstream)
     resume = Resumes(then=[_token(2), DONE])
-    relay.migrate_with(resume, lambda _: True)
-    await relay.prime()
+    relay = ResumableStream(plain, resume, lambda _: True)
+    await plain.prime()
     assert await relay.next_chunk() == _token(0)
     relay.relay_directly(lambda c: written.append(c) or True)
     upstream.arrive(_token(1))
@@ -103,9 +101,9 @@ async def test_a_directly_relayed_error_event_is_left_to_next_chunk_which_cuts()
 
 
 async def test_an_error_event_in_the_primed_first_read_is_cut_and_kept_once():
-    relay = _relay(FakeUpstream([_token(0) + _token(1) + ERROR + DONE]))
-    await relay.prime()  # the whole answer in the first read, as from a fast engine
+    plain = _relay(FakeUpstream([_token(0) + _token(1) + ERROR + DONE]))
+    await plain.prime()  # the whole answer in the first read, as from a fast engine
     resume = Resumes(then=[_token(2), DONE])
-    relay.migrate_with(resume, lambda _: True)
+    relay = ResumableStream(plain, resume, lambda _: True)
     assert await _drain(relay) == [_token(0) + _token(1), _token(2), DONE]
     assert resume.calls[0][0] == _token(0) + _token(1)
