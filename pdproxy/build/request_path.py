@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from pdproxy.build.core import Core, bearer
@@ -18,6 +18,7 @@ from pdproxy.membership.kv_fleet import KVEventFleet
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.proxying.admission import Admission
 from pdproxy.proxying.deadlines import TtftPredictor
+from pdproxy.proxying.first_token import FirstTokenPath
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.leg_bracket import LegBracket
 from pdproxy.proxying.leg_room import LegRoom
@@ -29,6 +30,14 @@ from pdproxy.proxying.prompt_tokens import PromptTokens
 from pdproxy.proxying.push import PushLegs
 from pdproxy.proxying.render_once import RenderOnce
 from pdproxy.proxying.retries import Retries
+from pdproxy.proxying.steps import (
+    DeadlineStep,
+    FirstTokenStep,
+    LegRoomStep,
+    LoraStep,
+    PromptTokensStep,
+    RequestStep,
+)
 from pdproxy.proxying.token_count import TokenCounter
 from pdproxy.proxying.verdicts import Verdicts
 from pdproxy.resilience.retry import RetryBudget
@@ -90,7 +99,6 @@ def _orchestrator(
         metrics=core.metrics,
         kv_check=scheduler.verify_prefill if scheduler.kv_events else None,
     )
-    flow = core.admission if config.tenants.enabled else None
     push = None
     if isinstance(core.connector, NixlPushConnector):
         push = PushLegs(
@@ -100,6 +108,7 @@ def _orchestrator(
             metrics=core.metrics.push,
             timeouts=config.timeouts,
         )
+    retries = _retries(config, core, scheduler, budget, rng, by_model(core.registry))
     return Orchestrator(
         registry=core.registry,
         scheduler=scheduler,
@@ -107,18 +116,47 @@ def _orchestrator(
         legs=legs,
         outliers=core.outliers,
         release=release,
-        retries=_retries(config, core, scheduler, budget, rng, by_model(core.registry)),
+        retries=retries,
         retry=config.retry,
         budget=budget,
         metrics=core.metrics,
-        lora=_lora_on_demand(config, core, scheduler, clock),
-        first_token=config.first_token_from_prefill,
-        prompt_tokens=_prompt_tokens(config, scheduler, core.metrics),
-        room=room,
-        deadlines=None if flow is None else TtftPredictor(scheduler.speeds, flow.book, clock),
+        steps=_steps(config, core, scheduler, legs, release, retries, room, clock),
         count_tokens=count_tokens,
         push=push,
     )
+
+
+def _steps(
+    config: ProxyConfig,
+    core: Core,
+    scheduler: Scheduler,
+    legs: Legs,
+    release: KVRelease,
+    retries: Retries,
+    room: LegRoom | None,
+    clock: Callable[[], float],
+) -> tuple[RequestStep, ...]:
+    """The orchestrator's optional steps, each only when its feature is on, in the order
+    their hooks run (``pdproxy.proxying.steps``): a feature that adds work to a request
+    adds its step here."""
+    steps: list[RequestStep] = []
+    tokens = _prompt_tokens(config, scheduler, core.metrics)  # --tokenizer
+    if tokens is not None:
+        steps.append(PromptTokensStep(tokens))
+    lora = _lora_on_demand(config, core, scheduler, clock)  # --lora-load-on-demand
+    if lora is not None:
+        steps.append(LoraStep(lora))
+    if room is not None:  # --tenants, --prefill-capacity, --decode-capacity
+
+        def usable(role: Role, model: str | None, avoid: Collection[str]) -> tuple[Endpoint, ...]:
+            return core.outliers.usable(retries.pool(role, model), avoid)
+
+        steps.append(LegRoomStep(room, usable, release))
+    if config.tenants.enabled and core.admission is not None:  # x-slo-ttft-ms
+        steps.append(DeadlineStep(TtftPredictor(scheduler.speeds, core.admission.book, clock)))
+    if config.first_token_from_prefill:
+        steps.append(FirstTokenStep(FirstTokenPath(legs=legs, release=release)))
+    return tuple(steps)
 
 
 def _leg_room(

@@ -19,33 +19,29 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Collection
+from collections.abc import Awaitable, Collection, Sequence
 from typing import Any
 
 from pdproxy.config.resilience import RetryConfig
 from pdproxy.connectors import KVConnector, Transfer
-from pdproxy.errors import Overloaded, UpstreamError
+from pdproxy.errors import UpstreamError
 from pdproxy.fleet.registry import EndpointRegistry
 from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import bind_predicted, bind_request_id
-from pdproxy.proxying.deadlines import TtftPredictor
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
-from pdproxy.proxying.first_token import FirstTokenPath
 from pdproxy.proxying.kv_release import KVRelease
-from pdproxy.proxying.leg_room import LegRoom
 from pdproxy.proxying.legs import Legs, LegSize
-from pdproxy.proxying.lora_demand import LoraOnDemand
 from pdproxy.proxying.migration import CountTokens, MigrationRequested, Migrations
-from pdproxy.proxying.prompt_tokens import PromptTokens
 from pdproxy.proxying.push import PushLegs
 from pdproxy.proxying.retries import Retries
 from pdproxy.proxying.run import Run, log_decision, replaced
+from pdproxy.proxying.steps import RequestStep, StepHooks
 from pdproxy.resilience.outlier import OutlierDetector
 from pdproxy.resilience.retry import RetryBudget, retry_reason
 from pdproxy.scheduling.scheduler import NO_PREFILL, Scheduler
 from pdproxy.scheduling.speed import computed_tokens
 from pdproxy.types import DecodeOnly, Endpoint, PairDecision, Role, Snapshot
-from pdproxy.wire.shaping import client_request_id, is_streaming
+from pdproxy.wire.shaping import client_request_id
 
 __all__ = ["ClientRequest", "Orchestrator", "ProxyResponse"]
 
@@ -66,20 +62,14 @@ class Orchestrator:
         retry: RetryConfig,
         budget: RetryBudget,
         metrics: ProxyMetrics,
-        lora: LoraOnDemand | None = None,
-        first_token: bool = False,
-        prompt_tokens: PromptTokens | None = None,
-        room: LegRoom | None = None,
-        deadlines: TtftPredictor | None = None,
+        steps: Sequence[RequestStep] = (),
         count_tokens: CountTokens | None = None,
         push: PushLegs | None = None,
     ) -> None:
         self._push = push  # --kv-connector nixl-push: concurrent legs that strand nothing
         self._registry = registry
-        self._room = room  # flow control: each leg waits for an engine with room
-        self._deadlines = deadlines  # flow control: the TTFT predicted against a deadline
-        self._prompt_tokens = prompt_tokens  # --tokenizer under kv-events; None: off
-        self._lora = lora  # --lora-load-on-demand
+        # the optional steps switched on at start-up (``steps``), by hook
+        self._steps = StepHooks(steps)
         self._scheduler = scheduler
         self._connector = connector
         self._legs = legs
@@ -94,15 +84,18 @@ class Orchestrator:
             serve=self._serve,
             count=count_tokens,
         )
-        # --first-token-from-prefill; None (off): the decode leg as always, nothing checked
-        self._first_token = FirstTokenPath(legs=legs, release=release) if first_token else None
+
+    @property
+    def steps(self) -> tuple[RequestStep, ...]:
+        """The optional steps switched on at start-up, in their order."""
+        return self._steps.steps
 
     def start(self) -> None:
         self._legs.start()
 
     async def aclose(self) -> None:
-        if self._prompt_tokens is not None:
-            self._prompt_tokens.close()
+        for close in self._steps.close:
+            close()
         if self._push is not None:
             await self._push.aclose()
         await self._legs.aclose()
@@ -126,15 +119,13 @@ class Orchestrator:
         """``request`` on a pair whose decode is none of ``avoid``, with its retries."""
         retries = self._retries.begin()
         features = self._scheduler.features(request.body, request.session)
-        if self._prompt_tokens is not None:
-            features = await self._prompt_tokens.fill(request.body, features)
         run = Run(features, retries, avoid=avoid)
         if avoid:
             run.tried[Role.DECODE] = set(avoid)
         claimed = self._push.claim(request) if self._push is not None else None
         try:
-            if self._lora is not None:
-                await self._lora.ensure(run.features)
+            for prepare in self._steps.prepare:
+                await prepare(request, run)
             return await self._handle(request, run)
         finally:
             run.unreserve()
@@ -151,14 +142,16 @@ class Orchestrator:
                 self._outliers.on_abandoned(endpoint)
 
     async def _handle(self, request: ClientRequest, run: Run) -> ProxyResponse:
-        if self._room is not None:
-            await self._wait_room(Role.PREFILL, request, run)
+        steps = self._steps
+        for before_prefill in steps.before_prefill:
+            await before_prefill(request, run)
         decision = self._pick(run)
         if isinstance(decision, DecodeOnly):
             return await self._decode_only(request, run, decision)
-        if self._deadlines is not None and request.ticket.deadline is not None:
+        if steps.picked:
             computed = self._prefill_size(run, decision).tokens
-            self._deadlines.check(request.ticket, decision, computed, is_streaming(request.body))
+            for picked in steps.picked:
+                picked(request, decision, computed)
         transfer = self._connector.begin(decision, request.request_id)
         log_decision(transfer, "routed")
         answer: dict[str, Any] | None = None
@@ -171,11 +164,11 @@ class Orchestrator:
                 if answer is None:
                     answer = await self._prefill_leg(request, run, transfer)
                 run.unreserve()
-                if self._room is not None:
-                    await self._decode_room(request, run, transfer, answer)
+                for before_decode in steps.before_decode:
+                    await before_decode(request, run, transfer, answer)
                 decoding = True
-                if self._first_token is not None:
-                    early = self._first_token.answer(request, transfer, answer)
+                for after_prefill in steps.after_prefill:
+                    early = after_prefill(request, transfer, answer)
                     if early is not None:
                         return early
                 return await self._decode_leg(request, transfer, answer)
@@ -207,8 +200,8 @@ class Orchestrator:
     ) -> ProxyResponse:
         """A concurrent transfer: both legs at once (nixl-push's own runner where set)."""
         size = self._prefill_size(run, transfer.decision)
-        if self._room is not None:
-            await self._wait_room(Role.DECODE, request, run)
+        for before_decode in self._steps.before_decode:
+            await before_decode(request, run, transfer, None)
         if self._push is not None:
             return await self._push.run(request, transfer, size)
         return await self._legs.concurrent(request, transfer, size)
@@ -233,8 +226,8 @@ class Orchestrator:
             response = await self._push.decode(request, transfer, answer)
         else:
             response = await self._legs.decode(request, transfer, answer)
-        if self._deadlines is not None:
-            self._deadlines.observe_after_prefill(response.stream is not None)
+        for answered in self._steps.answered:
+            answered(response)
         return response
 
     def _concurrent(self, request: ClientRequest, transfer: Transfer) -> bool:
@@ -242,28 +235,6 @@ class Orchestrator:
         if self._push is not None:
             return self._push.concurrent(request, transfer)
         return self._connector.runs_concurrently(transfer)
-
-    async def _wait_room(self, role: Role, request: ClientRequest, run: Run) -> None:
-        """Flow control: wait, in the tenants' order, until ``role`` has an instance with
-        room for this request's leg (``LegRoom``)."""
-        assert self._room is not None
-        model, avoid = run.features.model, run.avoid if role is Role.DECODE else ()
-
-        def pool() -> tuple[Endpoint, ...]:
-            return self._usable(self._retries.pool(role, model), avoid)
-
-        await self._room.wait(role, pool, request.ticket)
-
-    async def _decode_room(
-        self, request: ClientRequest, run: Run, transfer: Transfer, answer: dict[str, Any]
-    ) -> None:
-        """The decode leg's wait for room, its prefill done: a wait that ends in a 429
-        releases the KV the prefill holds for a decode that will never read it."""
-        try:
-            await self._wait_room(Role.DECODE, request, run)
-        except Overloaded:
-            self._release.orphaned(request, transfer, answer, failed=None)
-            raise
 
     def _observe_prefill(
         self, decision: PairDecision, seconds: float, answer: dict[str, Any], run: Run
@@ -369,8 +340,8 @@ class Orchestrator:
             prefill=self._usable(snapshot.prefill, ()),
             decode=self._usable(snapshot.decode, run.avoid),
         )
-        if self._room is not None:  # flow control: the instances with room, if any has
-            view = Snapshot(self._room.with_room(view.prefill), self._room.with_room(view.decode))
+        for step_view in self._steps.view:  # flow control: the instances with room, if any has
+            view = step_view(view)
         decision = self._scheduler.schedule(run.features, view)
         if isinstance(decision, PairDecision):
             self._retries.picked(run, decision.prefill)

@@ -261,6 +261,7 @@ def test_the_tokenizer_is_loaded_only_for_kv_events(tmp_path, caplog):
 
     from pdproxy.build import build_state
     from pdproxy.config.proxy import ProxyConfig
+    from pdproxy.proxying.steps import PromptTokensStep
     from pdproxy.types import EngineAddress
 
     def state(policy: str, path: str):
@@ -274,9 +275,9 @@ def test_the_tokenizer_is_loaded_only_for_kv_events(tmp_path, caplog):
 
     missing = str(tmp_path / "missing")
     ignored = state("prefix-affinity", missing)  # never read: no policy reads token ids
-    assert ignored.orchestrator._prompt_tokens is None and "is ignored" in caplog.text
+    assert ignored.orchestrator.steps == () and "is ignored" in caplog.text
     with pytest.raises(ConfigError, match="cannot load"):
         state("kv-events", missing)
     folder = write_model_dir(tmp_path / "m", WORDS)
-    used = state("kv-events", str(folder)).orchestrator._prompt_tokens
-    assert used is not None and used.tokenizer_for("any") is not None
+    [step] = state("kv-events", str(folder)).orchestrator.steps
+    assert isinstance(step, PromptTokensStep) and step.tokens.tokenizer_for("any") is not None

@@ -80,7 +80,7 @@ class FakeRelease:
         self.orphans.append(failed.url if failed else None)
 
 
-def _orchestrator(legs, *, connector="nixl", decodes=2, retry=None, scheduling=None):
+def _orchestrator(legs, *, connector="nixl", decodes=2, retry=None, scheduling=None, steps=()):
     registry = EndpointRegistry(lambda: 0.0)
     for i in range(2):
         registry.add(_endpoint(Role.PREFILL, f"http://p{i}:1"))
@@ -119,6 +119,7 @@ def _orchestrator(legs, *, connector="nixl", decodes=2, retry=None, scheduling=N
         retry=retry,
         budget=budget,
         metrics=metrics,
+        steps=steps,
     )
     return orchestrator, release
 
