@@ -157,13 +157,16 @@ async def test_dashboard_shows_each_engine_ranks_kv_events(chromium, tmp_path):
     from playwright.async_api import async_playwright
 
     from engines.sim import model
-    from tests.faults.test_kv_events import generate, kv_fleet, prompt
+    from tests.faults.harness import wait_until
+    from tests.faults.test_kv_events import generate, kv_fleet, predicted, prompt
 
     TENANT = model.tokenize(" ".join(f"tenant{i}" for i in range(128)))
     async with kv_fleet(tmp_path, stale_secs=0.5) as f, async_playwright() as pw:
         p, other = f.prefills
         f.instance(other).legs.work = 100.0  # every request on p
         await generate(f, prompt(0))
+        # p's batch heard before the next pick, or its prediction is none, and unchecked
+        await wait_until(lambda: predicted(f, p, prompt(1)) > 0, timeout=3, what="p's events")
         await generate(f, prompt(1))  # a checked prediction
         browser = await pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         try:
