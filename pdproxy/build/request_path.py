@@ -22,6 +22,7 @@ from pdproxy.proxying.first_token import FirstTokenPath
 from pdproxy.proxying.kv_release import KVRelease
 from pdproxy.proxying.leg_bracket import LegBracket
 from pdproxy.proxying.leg_room import LegRoom
+from pdproxy.proxying.leg_runner import DirectLegs, LegRunner
 from pdproxy.proxying.legs import Legs
 from pdproxy.proxying.lora_demand import LoraOnDemand
 from pdproxy.proxying.orchestrator import Orchestrator
@@ -99,9 +100,9 @@ def _orchestrator(
         metrics=core.metrics,
         kv_check=scheduler.verify_prefill if scheduler.kv_events else None,
     )
-    push = None
+    runner: LegRunner = DirectLegs(legs, core.connector)
     if isinstance(core.connector, NixlPushConnector):
-        push = PushLegs(
+        runner = PushLegs(
             connector=core.connector,
             legs=legs,
             outliers=core.outliers,
@@ -122,7 +123,7 @@ def _orchestrator(
         metrics=core.metrics,
         steps=_steps(config, core, scheduler, legs, release, retries, room, clock),
         count_tokens=count_tokens,
-        push=push,
+        runner=runner,
     )
 
 

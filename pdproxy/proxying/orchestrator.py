@@ -30,9 +30,9 @@ from pdproxy.observability.metrics import ProxyMetrics
 from pdproxy.observability.request_context import bind_predicted, bind_request_id
 from pdproxy.proxying.exchange import ClientRequest, ProxyResponse
 from pdproxy.proxying.kv_release import KVRelease
+from pdproxy.proxying.leg_runner import DirectLegs, LegRunner
 from pdproxy.proxying.legs import Legs, LegSize
 from pdproxy.proxying.migration import CountTokens, MigrationRequested, Migrations
-from pdproxy.proxying.push import PushLegs
 from pdproxy.proxying.retries import Retries
 from pdproxy.proxying.run import Run, log_decision, replaced
 from pdproxy.proxying.steps import RequestStep, StepHooks
@@ -64,9 +64,10 @@ class Orchestrator:
         metrics: ProxyMetrics,
         steps: Sequence[RequestStep] = (),
         count_tokens: CountTokens | None = None,
-        push: PushLegs | None = None,
+        runner: LegRunner | None = None,
     ) -> None:
-        self._push = push  # --kv-connector nixl-push: concurrent legs that strand nothing
+        # how the legs run: as the connector says, or nixl-push's own runner (``PushLegs``)
+        self._runner = runner or DirectLegs(legs, connector)
         self._registry = registry
         # the optional steps switched on at start-up (``steps``), by hook
         self._steps = StepHooks(steps)
@@ -96,8 +97,7 @@ class Orchestrator:
     async def aclose(self) -> None:
         for close in self._steps.close:
             close()
-        if self._push is not None:
-            await self._push.aclose()
+        await self._runner.aclose()
         await self._legs.aclose()
 
     async def handle(self, request: ClientRequest) -> ProxyResponse:
@@ -108,7 +108,7 @@ class Orchestrator:
 
     def push_status(self) -> dict[str, Any] | None:
         """``/status``' push section (None: not ``--kv-connector nixl-push``)."""
-        return None if self._push is None else self._push.status()
+        return self._runner.status()
 
     def migrate_streams(self, url: str) -> int:
         """Cut the streams read from the decode ``url`` now, so that each migrates (if it
@@ -122,7 +122,7 @@ class Orchestrator:
         run = Run(features, retries, avoid=avoid)
         if avoid:
             run.tried[Role.DECODE] = set(avoid)
-        claimed = self._push.claim(request) if self._push is not None else None
+        claimed = self._runner.claim(request)
         try:
             for prepare in self._steps.prepare:
                 await prepare(request, run)
@@ -131,8 +131,7 @@ class Orchestrator:
             run.unreserve()
             if run.trials:
                 self._free_unused_trials(run.trials)
-            if self._push is not None:
-                self._push.release(claimed)
+            self._runner.release(claimed)
 
     def _free_unused_trials(self, trials: list[Endpoint]) -> None:
         """A half-open trial this request took but never sent a leg to (the other leg
@@ -198,13 +197,11 @@ class Orchestrator:
     async def _both_legs(
         self, request: ClientRequest, run: Run, transfer: Transfer
     ) -> ProxyResponse:
-        """A concurrent transfer: both legs at once (nixl-push's own runner where set)."""
+        """A concurrent transfer: both legs at once."""
         size = self._prefill_size(run, transfer.decision)
         for before_decode in self._steps.before_decode:
             await before_decode(request, run, transfer, None)
-        if self._push is not None:
-            return await self._push.run(request, transfer, size)
-        return await self._legs.concurrent(request, transfer, size)
+        return await self._runner.run(request, transfer, size)
 
     async def _prefill_leg(
         self, request: ClientRequest, run: Run, transfer: Transfer
@@ -222,19 +219,14 @@ class Orchestrator:
     async def _decode_leg(
         self, request: ClientRequest, transfer: Transfer, answer: dict[str, Any]
     ) -> ProxyResponse:
-        if self._push is not None:  # a serial push's stream is bounded by --push-wait-secs
-            response = await self._push.decode(request, transfer, answer)
-        else:
-            response = await self._legs.decode(request, transfer, answer)
+        response = await self._runner.decode(request, transfer, answer)
         for answered in self._steps.answered:
             answered(response)
         return response
 
     def _concurrent(self, request: ClientRequest, transfer: Transfer) -> bool:
         """Whether ``transfer``'s legs go at once (nixl-push decides per request)."""
-        if self._push is not None:
-            return self._push.concurrent(request, transfer)
-        return self._connector.runs_concurrently(transfer)
+        return self._runner.concurrent(request, transfer)
 
     def _observe_prefill(
         self, decision: PairDecision, seconds: float, answer: dict[str, Any], run: Run

@@ -137,3 +137,13 @@ def test_only_the_steps_that_override_a_hook_are_run_at_it():
     hooks = StepHooks((plain, closing))
     assert hooks.steps == (plain, closing) and hooks.close == (closing.close,)
     assert hooks.prepare == hooks.view == hooks.answered == ()
+
+
+def test_push_is_a_leg_runner_chosen_at_start_up_not_a_step():
+    def built(connector: str):
+        config = ProxyConfig(**ADDRESSES, kv_connector=connector)
+        return build_state(config, lambda: 0.0, CollectorRegistry(), random.Random(0))
+
+    push, nixl = built("nixl-push").orchestrator, built("nixl").orchestrator
+    assert push.steps == nixl.steps == ()
+    assert push.push_status() is not None and nixl.push_status() is None
