@@ -63,7 +63,30 @@ class ClientStream(Protocol):
     def close(self) -> None: ...
 
 
-class StreamRelay:
+class ReadThenFail:
+    """A ``ClientStream``'s ``next_chunk``: its next bytes (``read``), or once a cut raises,
+    the failure's error event (``fail``)."""
+
+    __slots__ = ()
+
+    async def read(self) -> bytes | None:
+        raise NotImplementedError
+
+    def fail(self, error: ProxyError) -> bytes:
+        raise NotImplementedError
+
+    async def next_chunk(self) -> bytes | None:
+        """The next bytes for the client, or None once the stream is over.
+
+        A broken or cut upstream yields one last chunk: the terminal error event.
+        """
+        try:
+            return await self.read()
+        except ProxyError as error:
+            return self.fail(error)
+
+
+class StreamRelay(ReadThenFail):
     """An upstream stream being relayed. ``close()`` must be called; it is idempotent.
 
     Closing drops the upstream connection (vLLM aborts the request) and runs ``on_close``
@@ -181,16 +204,6 @@ class StreamRelay:
         self.last_activity = self._clock()
         self._tail = chunk[-self._tail_size :]
         self._first = chunk
-
-    async def next_chunk(self) -> bytes | None:
-        """The next bytes for the client, or None once the stream is over.
-
-        A broken or cut upstream yields one last chunk: the terminal error event.
-        """
-        try:
-            return await self.read()
-        except ProxyError as error:
-            return self.fail(error)
 
     async def read(self) -> bytes | None:
         """The engine's next bytes, or None at the stream's complete end; a cut (broken,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pdproxy.errors import EngineErrorEvent, ProxyError
 from pdproxy.proxying.kept_stream import Fold, KeptStream
-from pdproxy.proxying.relay import ClientStream, StreamRelay, Write
+from pdproxy.proxying.relay import ClientStream, ReadThenFail, StreamRelay, Write
 from pdproxy.wire.continuation import engine_error_at
 
 
@@ -36,7 +36,7 @@ class Continuation:
 Resume = Callable[[bytes, ProxyError], Awaitable[Continuation | None]]
 
 
-class ResumableStream:
+class ResumableStream(ReadThenFail):
     """``relay``'s stream, continued with ``resume`` if it is cut. Its bytes are kept (a
     reference per chunk) for ``resume`` to read what was generated, those of a long stream
     handed to ``fold`` every ``FOLD_BYTES`` so that memory stays bounded."""
@@ -77,12 +77,6 @@ class ResumableStream:
         if not kept.keep(chunk):
             self._kept = None  # a fold refused it: it can no longer migrate
         return True
-
-    async def next_chunk(self) -> bytes | None:
-        try:
-            return await self.read()
-        except ProxyError as error:
-            return self.fail(error)
 
     async def read(self) -> bytes | None:
         if self._continued is not None:
@@ -149,7 +143,7 @@ class ResumableStream:
         self._relay.close()
 
 
-class TranslatedStream:
+class TranslatedStream(ReadThenFail):
     """``stream``'s bytes as ``translate(bytes)`` hands them to the client; the end check
     still reads the engine's own bytes, and the error events pass untranslated."""
 
@@ -171,12 +165,6 @@ class TranslatedStream:
 
     def relay_directly(self, write: Write) -> None:
         """Never: each chunk is translated on the response's task."""
-
-    async def next_chunk(self) -> bytes | None:
-        try:
-            return await self.read()
-        except ProxyError as error:
-            return self.fail(error)
 
     async def read(self) -> bytes | None:
         translate = self._translate
